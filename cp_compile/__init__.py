@@ -1,0 +1,15 @@
+"""cp_compile: context parallelism for unmodified PyTorch transformers.
+
+Public API (today): :func:`ring_attention` (exact attention over a sequence split
+across a context-parallel group), :func:`shard` / :func:`unshard` /
+:func:`positions` (load-balanced sequence layouts). The ``ring_cp`` torch.compile
+backend builds on these.
+"""
+
+from .config import RingOptions
+from .layout import positions, shard, unshard
+from .ring import ring_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["RingOptions", "positions", "ring_attention", "shard", "unshard", "__version__"]

@@ -1,0 +1,96 @@
+"""aten block kernel: PyTorch's fused flash-attention ops, which return the lse.
+
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``): any
+  float dtype, GQA natively, natural-log lse (float32; float64 for float64 inputs).
+  Known traps, both kept away by the ring's plan: a fully masked row returns lse = 0
+  instead of -inf, and an empty key block kills the process (SIGFPE).
+* CUDA: ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``), fp16/bf16.
+  That op wants equal head counts, so GQA expands K/V *locally* (a view for the
+  forward; the backward sums the group). Only the H_kv heads travel the ring.
+  Not exercised by CI (no GPU there); the Triton kernels are the intended default.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+Tensor = torch.Tensor
+_aten = torch.ops.aten
+
+
+def _check_nonempty(q: Tensor, k: Tensor) -> None:
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise RuntimeError(
+            "cp_compile internal error: the aten block kernel was asked for an empty block "
+            f"(q {tuple(q.shape)}, k {tuple(k.shape)}); the CPU flash op would crash. "
+            "Please report this with the ring options used."
+        )
+
+
+def _expand_kv(x: Tensor, heads: int) -> Tensor:
+    """(B, H_kv, L, D) -> (B, H, L, D) by repeating each K/V head for its query group."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_group(g: Tensor, h_kv: int) -> Tensor:
+    """(B, H, L, D) gradient of expanded K/V -> (B, H_kv, L, D)."""
+    b, h, l, d = g.shape
+    return g.reshape(b, h_kv, h // h_kv, l, d).sum(2)
+
+
+class AtenKernel:
+    """Flash-attention block kernel on the aten ops. See :mod:`cp_compile.kernels.base`."""
+
+    name = "aten"
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type == "cpu":
+            return dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        if device.type == "cuda":
+            return dtype in (torch.bfloat16, torch.float16)
+        return False
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+        _check_nonempty(q, k)
+        if q.device.type == "cpu":
+            return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        h = q.shape[1]
+        res = _aten._scaled_dot_product_flash_attention(
+            q, _expand_kv(k, h), _expand_kv(v, h), 0.0, causal, False, scale=scale
+        )
+        return res[0], res[1]
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        _check_nonempty(q, k)
+        out = out.to(q.dtype).contiguous()
+        lse = lse.contiguous()
+        if q.device.type == "cpu":
+            return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
+            )
+        return self._cuda_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+    @staticmethod
+    def _cuda_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
+        h, h_kv = q.shape[1], k.shape[1]
+        lq, lk = q.shape[2], k.shape[2]
+        ke, ve = _expand_kv(k, h).contiguous(), _expand_kv(v, h).contiguous()
+        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dout.contiguous(), q, ke, ve, out, lse, empty, empty, lq, lk, 0.0, causal,
+            empty, empty, scale=scale,
+        )
+        return dq, _sum_group(dk, h_kv), _sum_group(dv, h_kv)

@@ -1,0 +1,82 @@
+"""``torch.library`` custom ops for ring attention, so compiled graphs keep it whole.
+
+``cp_compile::ring_attention_fwd(q, k, v, ...) -> (out, lse)`` and
+``cp_compile::ring_attention_bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
+are opaque to Dynamo/AOTAutograd (no graph break, no tracing into the
+communication), have fake implementations for shape propagation, and are linked by
+``register_autograd``. The process group travels as its registered name, since
+custom ops take only tensors and plain values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import torch
+
+from .._group import group_by_name
+from ..kernels import get_kernel
+from .loops import ring_backward, ring_forward
+
+Tensor = torch.Tensor
+
+
+def _run_options(group_name: str, kernel: str, q: Tensor) -> dict:
+    return {"group": group_by_name(group_name), "kernel": get_kernel(kernel, q.device, q.dtype)}
+
+
+@torch.library.custom_op("cp_compile::ring_attention_fwd", mutates_args=())
+def ring_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+    group_name: str, load_balance: str, rotate: str, kernel: str,
+) -> Tuple[Tensor, Tensor]:
+    """Exact attention of local q over the CP group's whole K/V: (out, lse (B, H, c) fp32)."""
+    opts = _run_options(group_name, kernel, q)
+    return ring_forward(q, k, v, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate, **opts)
+
+
+@ring_attention_fwd.register_fake
+def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype)
+
+
+@torch.library.custom_op("cp_compile::ring_attention_bwd", mutates_args=())
+def ring_attention_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+    scale: float, group_name: str, load_balance: str, rotate: str, kernel: str,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries."""
+    opts = _run_options(group_name, kernel, q)
+    return ring_backward(
+        dout, q, k, v, out, lse, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate, **opts
+    )
+
+
+@ring_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, group_name, load_balance, rotate, kernel):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "kernel")
+
+
+def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+    q, k, v, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = dict(zip(_OPTION_NAMES, options))
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx: Any, dout: Tensor, _dlse: Any):
+    q, k, v, out, lse = ctx.saved_tensors
+    o = ctx.options
+    dq, dk, dv = ring_attention_bwd(
+        dout.contiguous(), q, k, v, out, lse, o["causal"], o["scale"], o["group_name"],
+        o["load_balance"], o["rotate"], o["kernel"],
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
