@@ -5,7 +5,7 @@ A layout maps a sequence of ``S`` tokens onto ``N`` ranks, each holding
 
 | layout       | rank r holds                                  | S must divide by |
 |--------------|-----------------------------------------------|------------------|
-| ``zigzag``   | chunks r and 2N-1-r of 2N equal chunks        | 2N               |
+| ``zigzag``   | chunks r and 2N-1-r of 2N equal chunks        | 2N (1 if N == 1) |
 | ``striped``  | tokens r, r+N, r+2N, ...                      | N                |
 | ``contiguous`` | tokens [r*c, (r+1)*c)                       | N                |
 
@@ -28,6 +28,8 @@ from .config import LOAD_BALANCES, check_choice
 def split_multiple(world_size: int, load_balance: str) -> int:
     """The number the sequence length must divide by for ``load_balance`` on ``world_size`` ranks."""
     check_choice("load_balance", load_balance, LOAD_BALANCES)
+    if world_size == 1:  # one rank holds everything: nothing to split
+        return 1
     return 2 * world_size if load_balance == "zigzag" else world_size
 
 
@@ -52,6 +54,8 @@ def rank_positions(seq_len: int, world_size: int, rank: int, load_balance: str) 
         return torch.arange(rank * c, (rank + 1) * c)
     if load_balance == "striped":
         return torch.arange(rank, seq_len, world_size)
+    if world_size == 1:
+        return torch.arange(seq_len)
     h = c // 2  # zigzag chunk
     first = torch.arange(rank * h, (rank + 1) * h)
     second = torch.arange((2 * world_size - 1 - rank) * h, (2 * world_size - rank) * h)

@@ -13,12 +13,13 @@ identical):
   and one reduce-scatter of the per-block dK/dV at the end.
 
 Every rank posts the same operations in the same order, so the ring cannot hang on
-mismatched collectives. K and V travel packed as one (2, B, H_kv, c, D) buffer.
+mismatched collectives. K and V travel as two tensors (no packing copy); message
+tags keep K/V hops and gradient hops apart.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,17 +30,17 @@ from .plan import source_rank
 Tensor = torch.Tensor
 
 KV_TAG = 0
-GRAD_TAG = 1
+GRAD_TAG = 2
 
 
-def _ring_exchange(send: Tensor, recv: Tensor, group: CPGroup, tag: int) -> List[dist.Work]:
-    """Post send(send -> rank+1) and recv(recv <- rank-1); returns the pending works."""
+def _ring_exchange(sends: Sequence[Tensor], recvs: Sequence[Tensor], group: CPGroup, tag: int) -> List[dist.Work]:
+    """Post send(sends[i] -> rank+1) and recv(recvs[i] <- rank-1); returns the pending works."""
     nxt = (group.rank + 1) % group.size
     prv = (group.rank - 1) % group.size
-    ops = [
-        dist.P2POp(dist.isend, send, group=group.pg, tag=tag, group_peer=nxt),
-        dist.P2POp(dist.irecv, recv, group=group.pg, tag=tag, group_peer=prv),
-    ]
+    ops = []
+    for i, (s, r) in enumerate(zip(sends, recvs)):
+        ops.append(dist.P2POp(dist.isend, s, group=group.pg, tag=tag + i, group_peer=nxt))
+        ops.append(dist.P2POp(dist.irecv, r, group=group.pg, tag=tag + i, group_peer=prv))
     return dist.batch_isend_irecv(ops)
 
 
@@ -48,28 +49,29 @@ def _wait(works: List[dist.Work]) -> None:
         w.wait()
 
 
-def kv_blocks(kv: Tensor, group: CPGroup, rotate: str) -> Iterator[Tuple[int, int, Tensor]]:
-    """Yield ``(step, src, kv_src)`` for steps 0..N-1; kv: (2, B, H_kv, c, D) this rank's block.
+def kv_blocks(k: Tensor, v: Tensor, group: CPGroup, rotate: str) -> Iterator[Tuple[int, int, Tensor, Tensor]]:
+    """Yield ``(step, src, k_src, v_src)`` for steps 0..N-1; k, v: (B, H_kv, c, D) this rank's.
 
     With ``p2p`` the next block's transfer is in flight while the caller computes on
-    the yielded one.
+    the yielded one; at most two blocks are alive at once.
     """
     n, r = group.size, group.rank
     if rotate == "allgather":
-        flat = torch.empty((n * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
-        dist.all_gather_single(flat, kv.contiguous(), group=group.pg)
-        gathered = flat.view(n, *kv.shape)  # (N, 2, B, H_kv, c, D), rank-major
+        kv = torch.stack([k, v])  # (2, B, H_kv, c, D)
+        flat = torch.empty((n * 2, *k.shape), dtype=k.dtype, device=k.device)
+        dist.all_gather_single(flat, kv, group=group.pg)
+        gathered = flat.view(n, 2, *k.shape)  # (N, 2, B, H_kv, c, D), rank-major
         for t in range(n):
             src = source_rank(r, t, n)
-            yield t, src, gathered[src]
+            yield t, src, gathered[src, 0], gathered[src, 1]
         return
-    cur = kv.contiguous()
+    cur = (k.contiguous(), v.contiguous())
     for t in range(n):
         pending: List[dist.Work] = []
         if t < n - 1:
-            nxt = torch.empty_like(cur)
+            nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
             pending = _ring_exchange(cur, nxt, group, KV_TAG)
-        yield t, source_rank(r, t, n), cur
+        yield t, source_rank(r, t, n), cur[0], cur[1]
         if t < n - 1:
             _wait(pending)
             cur = nxt
@@ -78,35 +80,46 @@ def kv_blocks(kv: Tensor, group: CPGroup, rotate: str) -> Iterator[Tuple[int, in
 class GradSink:
     """Collects each step's dK/dV contribution and returns this rank's full dK/dV.
 
-    ``add(step, src, dkv)`` is called once per step in ring order with this rank's
-    contribution (2, B, H_kv, c, D) to block ``src``; ``finish()`` returns the sum
-    over all ranks of the contributions to this rank's own block.
+    ``add(step, src, dk, dv)`` is called once per step in ring order with this rank's
+    contribution (B, H_kv, c, D) to block ``src`` (``None`` for no contribution);
+    ``finish()`` returns the sums over all ranks for this rank's own block.
     """
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device, group: CPGroup, rotate: str) -> None:
+    def __init__(self, like: Tensor, dtype: torch.dtype, group: CPGroup, rotate: str) -> None:
         self.group, self.rotate = group, rotate
-        self._incoming: Optional[Tensor] = None
+        self.shape, self.dtype, self.device = like.shape, dtype, like.device
+        self._incoming: Optional[Tuple[Tensor, Tensor]] = None
         self._pending: List[dist.Work] = []
-        self._sending: Optional[Tensor] = None  # kept alive until its send completes
+        self._sending: Optional[Tuple[Tensor, Tensor]] = None  # alive until its send completes
         if rotate == "allgather":
-            self._blocks = torch.zeros((group.size, *shape), dtype=dtype, device=device)  # (N, 2, B, H_kv, c, D)
+            self._blocks = torch.zeros((group.size, 2, *like.shape), dtype=dtype, device=like.device)
 
-    def add(self, step: int, src: int, dkv: Tensor) -> None:
+    def _zeros(self) -> Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def add(self, step: int, src: int, dk: Optional[Tensor], dv: Optional[Tensor]) -> None:
         if self.rotate == "allgather":
-            self._blocks[src] += dkv
+            if dk is not None:
+                self._blocks[src, 0] += dk
+                self._blocks[src, 1] += dv
             return
-        if step > 0:  # the accumulator for block src, sent by rank-1 at its previous step
+        if step == 0:
+            acc = (dk if dk is not None else self._zeros(), dv if dv is not None else self._zeros())
+        else:  # block src's accumulator, sent by rank-1 at its previous step: add in place
             _wait(self._pending)
-            dkv = dkv + self._incoming
-        self._sending = dkv.contiguous()
-        self._incoming = torch.empty_like(self._sending)
-        self._pending = _ring_exchange(self._sending, self._incoming, self.group, GRAD_TAG)
+            acc = self._incoming
+            if dk is not None:
+                acc[0].add_(dk)
+                acc[1].add_(dv)
+        self._sending = acc
+        self._incoming = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
+        self._pending = _ring_exchange(acc, self._incoming, self.group, GRAD_TAG)
 
-    def finish(self) -> Tensor:
+    def finish(self) -> Tuple[Tensor, Tensor]:
         if self.rotate == "allgather":
-            own = torch.empty_like(self._blocks[0])
+            own = torch.empty((2, *self.shape), dtype=self.dtype, device=self.device)
             dist.reduce_scatter_single(own, self._blocks.flatten(0, 1), group=self.group.pg)
-            return own
+            return own[0], own[1]
         _wait(self._pending)
         self._sending = None
         assert self._incoming is not None

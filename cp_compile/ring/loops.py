@@ -9,7 +9,7 @@ accumulates dQ locally and hands each block's dK/dV to a :class:`.comm.GradSink`
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -17,9 +17,19 @@ from .._group import CPGroup
 from ..kernels import BlockKernel
 from .comm import GradSink, kv_blocks
 from .merge import accumulator_dtype, empty_partial, merge_
-from .plan import step_segments
+from .plan import ALL, step_segments
 
 Tensor = torch.Tensor
+
+
+def _accumulate(acc: Optional[Tensor], rows: slice, part: Tensor, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """acc[rows] += part, creating acc (shaped like ``like``) on first use without a zero fill if possible."""
+    if acc is None:
+        if rows == ALL:
+            return part.to(dtype).contiguous()  # the first full contribution *is* the accumulator
+        acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    acc[:, :, rows] += part
+    return acc
 
 
 def ring_forward(
@@ -39,14 +49,19 @@ def ring_forward(
     q: (B, H, c, D); k, v: (B, H_kv, c, D) -> out (B, H, c, D) in q.dtype,
     lse (B, H, c) float32 (float64 for float64 inputs).
     """
-    c = q.shape[2]
-    acc_out, acc_lse = empty_partial(q)  # (B, H, c, D), (B, H, c)
-    kv = torch.stack([k, v])  # (2, B, H_kv, c, D): one buffer travels
-    for _, src, kv_src in kv_blocks(kv, group, rotate):
-        k_src, v_src = kv_src[0], kv_src[1]
+    c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
+    acc_out: Optional[Tensor] = None  # (B, H, c, D) acc_dt
+    acc_lse: Optional[Tensor] = None  # (B, H, c) acc_dt
+    for _, src, k_src, v_src in kv_blocks(k, v, group, rotate):
         for seg in step_segments(load_balance, causal, group.size, group.rank, src, c):
             out, lse = kernel.forward(q[:, :, seg.q], k_src[:, :, seg.k], v_src[:, :, seg.k], causal=seg.causal, scale=scale)
+            if acc_out is None and seg.q == ALL:  # step 0 always covers every row
+                acc_out, acc_lse = out.to(acc_dt).contiguous(), lse.to(acc_dt).contiguous()
+                continue
+            if acc_out is None:
+                acc_out, acc_lse = empty_partial(q)
             merge_(acc_out[:, :, seg.q], acc_lse[:, :, seg.q], out, lse)
+    assert acc_out is not None and acc_lse is not None
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -69,23 +84,24 @@ def ring_backward(
 
     dout, q, out: (B, H, c, D); k, v: (B, H_kv, c, D); lse: (B, H, c), the global one.
     """
-    c = q.shape[2]
-    acc_dt = accumulator_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc_dt, device=q.device)  # (B, H, c, D), stays local
-    kv = torch.stack([k, v])  # (2, B, H_kv, c, D)
-    sink = GradSink(kv.shape, acc_dt, kv.device, group, rotate)
-    for step, src, kv_src in kv_blocks(kv, group, rotate):
-        k_src, v_src = kv_src[0], kv_src[1]
-        dkv = torch.zeros(kv.shape, dtype=acc_dt, device=kv.device)  # this rank's share of block src's grads
+    c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
+    dq: Optional[Tensor] = None  # (B, H, c, D) acc_dt, stays local
+    sink = GradSink(k, acc_dt, group, rotate)
+    for step, src, k_src, v_src in kv_blocks(k, v, group, rotate):
+        dk_src: Optional[Tensor] = None  # this rank's share of block src's dK (B, H_kv, c, D)
+        dv_src: Optional[Tensor] = None
         for seg in step_segments(load_balance, causal, group.size, group.rank, src, c):
             dq_s, dk_s, dv_s = kernel.backward(
                 dout[:, :, seg.q], q[:, :, seg.q], k_src[:, :, seg.k], v_src[:, :, seg.k],
                 out[:, :, seg.q], lse[:, :, seg.q], causal=seg.causal, scale=scale,
             )
-            dq[:, :, seg.q] += dq_s
-            dkv[0][:, :, seg.k] += dk_s
-            dkv[1][:, :, seg.k] += dv_s
-        sink.add(step, src, dkv)
-    dkv_own = sink.finish()  # (2, B, H_kv, c, D): every rank's contribution to this rank's K/V
-    # dK and dV are views of one buffer: copy them apart (custom-op outputs must not alias).
-    return dq.to(q.dtype), dkv_own[0].to(k.dtype, copy=True), dkv_own[1].to(v.dtype, copy=True)
+            dq = _accumulate(dq, seg.q, dq_s, q, acc_dt)
+            dk_src = _accumulate(dk_src, seg.k, dk_s, k, acc_dt)
+            dv_src = _accumulate(dv_src, seg.k, dv_s, v, acc_dt)
+        sink.add(step, src, dk_src, dv_src)
+    dk, dv = sink.finish()  # every rank's contribution to this rank's K/V
+    assert dq is not None
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr():
+        dv = dv.clone()  # custom-op outputs must not alias each other
+    return dq, dk, dv

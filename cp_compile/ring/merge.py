@@ -39,5 +39,5 @@ def merge_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_acc = torch.exp(acc_lse - ref).unsqueeze(-1)  # (B, H, L, 1)
     w_new = torch.exp(lse - ref).unsqueeze(-1)
-    acc_out.mul_(w_acc).add_(out.to(acc_out.dtype) * w_new)
+    acc_out.mul_(w_acc).addcmul_(out, w_new)  # no (B, H, L, D) temporary
     acc_lse.copy_(new_lse)
