@@ -1,0 +1,106 @@
+"""The multi-process gloo harness itself (tests/distributed.py, ``ranks`` fixture)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import RankError, RankTimeout
+
+
+def _all_reduce_rank_plus_one(shape):
+    t = torch.full(shape, float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "sum": t,
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "worker_env": os.environ.get("CP_COMPILE_TEST_WORKER"),
+    }
+
+
+def _fail_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    return dist.get_rank()
+
+
+def _recv_never_sent():
+    if dist.get_rank() == 0:
+        t = torch.zeros(1)
+        dist.recv(t, src=1)  # rank 1 never sends: rank 0 hangs here
+    return dist.get_rank()
+
+
+def _rank():
+    return dist.get_rank()
+
+
+def _grad_tensor():
+    x = torch.ones(3, requires_grad=True)
+    return (x * 2, [x.sum()])  # non-leaf tensors requiring grad come back detached
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_all_reduce_sums_over_ranks(ranks, world_size):
+    out = ranks.run(world_size, _all_reduce_rank_plus_one, (2, 3))
+    expected = float(sum(r + 1 for r in range(world_size)))
+    assert [o["rank"] for o in out] == list(range(world_size))
+    assert len({o["pid"] for o in out}) == world_size
+    for o in out:
+        assert o["world"] == world_size
+        assert o["threads"] == 1
+        assert o["worker_env"] == "1"
+        torch.testing.assert_close(o["sum"], torch.full((2, 3), expected))
+
+
+def test_pool_is_reused(ranks):
+    first = ranks.run(2, _all_reduce_rank_plus_one, (1,))
+    second = ranks.run(2, _all_reduce_rank_plus_one, (1,))
+    assert [o["pid"] for o in first] == [o["pid"] for o in second]
+
+
+def test_returned_tensors_are_detached_cpu_copies(ranks):
+    (a, [b]), = ranks.run(1, _grad_tensor)
+    assert not a.requires_grad and a.device.type == "cpu"
+    torch.testing.assert_close(a, torch.full((3,), 2.0))
+    torch.testing.assert_close(b, torch.tensor(3.0))
+
+
+def test_exception_names_rank_and_pool_recovers(ranks):
+    with pytest.raises(AssertionError) as info:
+        ranks.run(2, _fail_on, 1)
+    msg = str(info.value)
+    assert isinstance(info.value, RankError)
+    assert "rank 1" in msg and "deliberate failure on rank 1" in msg
+    assert "ValueError" in msg and "rank 0 -----" not in msg
+    assert ranks.run(2, _rank) == [0, 1]
+
+
+def test_hang_times_out_and_pool_recovers(ranks):
+    ranks.run(2, _rank)  # make sure the pool exists, so the timing measures the hang only
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        ranks.run(2, _recv_never_sent, timeout=5)
+    elapsed = time.monotonic() - t0
+    assert 5 <= elapsed < 15, elapsed
+    assert "[0]" in str(info.value)  # rank 0 did not answer
+    assert ranks.run(2, _rank) == [0, 1]
+
+
+def _exit_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os._exit(3)
+    return dist.get_rank()
+
+
+def test_dead_worker_is_reported_and_pool_recovers(ranks):
+    with pytest.raises(RankError, match=r"rank 1 -----\nworker process died \(exit code 3\)"):
+        ranks.run(2, _exit_on, 1, timeout=30)
+    assert ranks.run(2, _rank) == [0, 1]
