@@ -24,27 +24,39 @@ def _check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Shapes, dtypes and devices of the local shards, with errors that name the fix."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a Tensor, got {type(t).__name__}.")
+            _fail(f"{name} must be a Tensor, got {type(t).__name__}. Fix: pass torch.Tensor shards from cp_compile.shard.")
         if t.dim() != 4:
-            _fail(f"{name} has shape {tuple(t.shape)}; expected 4 dims (B, H, S_local, D).")
+            _fail(
+                f"{name} has shape {tuple(t.shape)}; expected 4 dims (B, H, S_local, D). "
+                "Fix: transpose (B, S, H, D) activations with .transpose(1, 2) as for F.scaled_dot_product_attention."
+            )
         if not t.dtype.is_floating_point:
-            _fail(f"{name} has dtype {t.dtype}; expected a floating-point dtype.")
+            _fail(f"{name} has dtype {t.dtype}; expected a floating-point dtype. Fix: cast to float32/bfloat16/float16.")
     if not (q.dtype == k.dtype == v.dtype):
         _fail(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}). Fix: cast them to one dtype.")
     if not (q.device == k.device == v.device):
         _fail(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}). Fix: move them to one device.")
     if k.shape != v.shape:
-        _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape.")
+        _fail(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (one K/V block travels "
+            "per step). Fix: project v to k's head count and head dim."
+        )
     (b, h, s, d), (bk, hk, sk, dk) = q.shape, k.shape
     if b != bk or d != dk:
-        _fail(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch (dim 0) and head dim (dim 3).")
+        _fail(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch (dim 0) and head dim (dim 3). "
+            "Fix: pass q, k, v of the same batch, laid out (B, H, S_local, D)."
+        )
     if s != sk:
         _fail(
             f"q has {s} local tokens but k has {sk}: the ring attends each rank's queries to the "
             "keys of the same sequence, sharded the same way. Fix: shard q, k and v with one layout."
         )
     if hk == 0 or h % hk != 0:
-        _fail(f"q has {h} heads, not a multiple of k's {hk} heads (GQA needs H % H_kv == 0).")
+        _fail(
+            f"q has {h} heads, not a multiple of k's {hk} heads (GQA needs H % H_kv == 0). "
+            "Fix: check the head counts of the q/k/v projections."
+        )
 
 
 def ring_attention(

@@ -10,7 +10,7 @@ identical):
   its contribution and forwards it; after N hops it is back at its owner. The hop
   of step t is in flight during step t+1's compute.
 * ``allgather`` — one all-gather of every K/V block up front (N x the K/V memory),
-  and one reduce-scatter of the per-block dK/dV at the end.
+  and one all-to-all of the per-block dK/dV at the end, summed in ring order.
 
 Every rank posts the same operations in the same order, so the ring cannot hang on
 mismatched collectives. K and V travel as two tensors (no packing copy); message
@@ -117,10 +117,20 @@ class GradSink:
 
     def finish(self) -> Tuple[Tensor, Tensor]:
         if self.rotate == "allgather":
-            own = torch.empty((2, *self.shape), dtype=self.dtype, device=self.device)
-            dist.reduce_scatter_single(own, self._blocks.flatten(0, 1), group=self.group.pg)
-            return own[0], own[1]
+            return self._sum_in_ring_order()
         _wait(self._pending)
         self._sending = None
         assert self._incoming is not None
         return self._incoming
+
+    def _sum_in_ring_order(self) -> Tuple[Tensor, Tensor]:
+        """All-to-all the per-block contributions, then add them in the order the p2p
+        accumulator visits the ranks (r, r+1, ..., r-1), so both rotations give the
+        same bits (a reduce-scatter would add in the backend's own order)."""
+        n, r = self.group.size, self.group.rank
+        recv = torch.empty_like(self._blocks)  # recv[j]: rank j's contribution to this rank's block
+        dist.all_to_all_single(recv, self._blocks, group=self.group.pg)
+        acc = recv[r].clone()  # (2, B, H_kv, c, D)
+        for t in range(1, n):
+            acc.add_(recv[(r + t) % n])
+        return acc[0], acc[1]

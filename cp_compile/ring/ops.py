@@ -37,8 +37,9 @@ def ring_attention_fwd(
 
 @ring_attention_fwd.register_fake
 def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel):
+    # The real op returns fresh contiguous tensors whatever the input strides.
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype)
 
 
 @torch.library.custom_op("cp_compile::ring_attention_bwd", mutates_args=())
@@ -55,7 +56,7 @@ def ring_attention_bwd(
 
 @ring_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, group_name, load_balance, rotate, kernel):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, like the real op
 
 
 _OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "kernel")
