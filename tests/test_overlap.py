@@ -66,7 +66,7 @@ def _measure_schedule(seconds: float):
     register_kernel(SleepKernel("sleep_0", 0.0), replace=True)
     register_kernel(SleepKernel("sleep_T", seconds), replace=True)
     q, k, v = (torch.randn(1, 1, LOCAL_LEN, 32) for _ in range(3))
-    kv, buf = torch.stack([k, v]), torch.empty(2, 1, 1, LOCAL_LEN, 32)
+    bufs = [torch.empty_like(k), torch.empty_like(v)]
     group = resolve_group(None)
 
     def fwd(kernel):
@@ -79,7 +79,7 @@ def _measure_schedule(seconds: float):
 
     res = {"hop": [], "fwd0": [], "fwdT": [], "bwd0": [], "bwdT": []}
     for _ in range(REPEATS):
-        res["hop"].append(_timed(lambda: _wait(_ring_exchange(kv, buf, group, 0))))
+        res["hop"].append(_timed(lambda: _wait(_ring_exchange([k, v], bufs, group, 0))))
         res["fwd0"].append(_timed(lambda: fwd("sleep_0")))
         res["fwdT"].append(_timed(lambda: fwd("sleep_T")))
         res["bwd0"].append(_timed(bwd("sleep_0")))
@@ -111,19 +111,19 @@ def _measure_rotation(seconds: float, local_len: int):
     dK/dV buffer to the sink.
     """
     group = resolve_group(None)
-    kv = torch.randn(2, 1, 1, local_len, 32)
-    grads = torch.randn(2, 1, 1, local_len, 32)
+    k, v, dk, dv = (torch.randn(1, 1, local_len, 32) for _ in range(4))
 
     def ring(sleep_s):
-        sink = GradSink(grads.shape, grads.dtype, grads.device, group, "p2p")
-        for step, src, _block in kv_blocks(kv, group, "p2p"):
+        sink = GradSink(k, k.dtype, group, "p2p")
+        for step, src, _k, _v in kv_blocks(k, v, group, "p2p"):
             time.sleep(sleep_s)
-            sink.add(step, src, grads)
+            sink.add(step, src, dk, dv)
         sink.finish()
 
     w0 = min(_timed(lambda: ring(0.0)) for _ in range(REPEATS))
     wt = min(_timed(lambda: ring(seconds)) for _ in range(REPEATS))
-    hop = min(_timed(lambda: _wait(_ring_exchange(kv, torch.empty_like(kv), group, 0))) for _ in range(REPEATS))
+    bufs = [torch.empty_like(k), torch.empty_like(v)]
+    hop = min(_timed(lambda: _wait(_ring_exchange([k, v], bufs, group, 0))) for _ in range(REPEATS))
     return {"w0": w0, "wt": wt, "hop": hop}
 
 
