@@ -1,15 +1,16 @@
 """cp_compile: context parallelism for unmodified PyTorch transformers.
 
-Public API (today): :func:`ring_attention` (exact attention over a sequence split
-across a context-parallel group), :func:`shard` / :func:`unshard` /
-:func:`positions` (load-balanced sequence layouts). The ``ring_cp`` torch.compile
-backend builds on these.
+Public API: the ``ring_cp`` torch.compile backend (:class:`RingCP`,
+``backend="ring_cp"``), :func:`ring_attention` (exact attention over a sequence
+split across a context-parallel group), :func:`shard` / :func:`unshard` /
+:func:`positions` (load-balanced sequence layouts).
 """
 
+from .backend import BackendOptions, RingCP
 from .config import RingOptions
 from .layout import positions, shard, unshard
 from .ring import ring_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["RingOptions", "positions", "ring_attention", "shard", "unshard", "__version__"]
+__all__ = ["BackendOptions", "RingCP", "RingOptions", "positions", "ring_attention", "shard", "unshard", "__version__"]

@@ -1,0 +1,109 @@
+"""The ``ring_cp`` torch.compile backend.
+
+``torch.compile(model, backend="ring_cp", options={...})`` or
+``torch.compile(model, backend=cp_compile.RingCP(...))``. Each graph Dynamo hands
+over is rewritten for the CP group (passes: find attention -> choose sequence
+inputs -> layout propagation + rewrite) and passed to the inner compiler. With no
+process group, a CP group of size 1 or no attention in the graph, the graph goes to
+the inner compiler unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ._group import resolve_group
+from .config import LOAD_BALANCES, ROTATES, check_choice
+from .passes.context import RewriteContext
+from .passes.find_attention import find_attention
+from .passes.rewrite import rewrite_graph
+from .passes.seq_inputs import choose_seq_inputs
+
+log = logging.getLogger("cp_compile")
+
+INNER = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of the ``ring_cp`` backend (see the README for each one)."""
+
+    mesh: Any = None
+    load_balance: str = "zigzag"
+    rotate: str = "p2p"
+    kernel: str = "auto"
+    seq_inputs: Union[str, Dict[str, int]] = "auto"
+    inputs: str = "full"
+    outputs: str = "full"
+    grad_sync: str = "allreduce"
+    strict: bool = False
+    inner: str = "inductor"
+
+    def __post_init__(self) -> None:
+        check_choice("load_balance", self.load_balance, LOAD_BALANCES)
+        check_choice("rotate", self.rotate, ROTATES)
+        check_choice("inputs", self.inputs, ("full",))
+        check_choice("outputs", self.outputs, ("full", "local"))
+        check_choice("grad_sync", self.grad_sync, ("allreduce", "none"))
+        check_choice("inner", self.inner, INNER)
+        if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
+            raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
+
+
+def _inner_compiler(name: str) -> Callable:
+    if name == "eager":
+        return lambda gm, example_inputs: gm.forward
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(name)
+
+
+class RingCP:
+    """A torch.compile backend making the compiled model context-parallel.
+
+    ``RingCP(mesh=..., load_balance=..., ...)``: the same options as
+    ``options={...}`` with ``backend="ring_cp"`` (:class:`BackendOptions`).
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.options = BackendOptions(**options)
+        self.graphs: List[fx.GraphModule] = []  # rewritten graphs, for inspection
+        self.fallbacks: List[str] = []  # every gather to the full sequence, with its source line
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> Callable:
+        opts = self.options
+        inner = _inner_compiler(opts.inner)
+        group = resolve_group(opts.mesh)
+        if group.size == 1:
+            log.info("cp_compile: CP group of size 1 (or no process group): compiling the graph unchanged")
+            return inner(gm, example_inputs)
+        ctx = RewriteContext(group=group, **{k: v for k, v in asdict(opts).items()
+                                            if k in ("load_balance", "rotate", "kernel", "seq_inputs",
+                                                     "outputs", "grad_sync", "strict")})
+        find_attention(gm, ctx)
+        if not ctx.attention:
+            log.info("cp_compile: no attention in this graph: compiling it unchanged")
+            return inner(gm, example_inputs)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        examples = {n.name: t for n, t in zip(placeholders, example_inputs)}
+        choose_seq_inputs(gm, ctx, examples)
+        new_gm = rewrite_graph(gm, ctx, examples)
+        self.graphs.append(new_gm)
+        self.fallbacks.extend(ctx.fallbacks)
+        return inner(new_gm, example_inputs)
+
+
+def ring_cp(
+    gm: fx.GraphModule,
+    example_inputs: List[torch.Tensor],
+    options: Optional[Dict[str, Any]] = None,
+    mode: Optional[str] = None,
+):
+    """Entry point for ``backend="ring_cp"`` (found by Dynamo through the
+    ``torch_dynamo_backends`` entry point; ``mode`` is accepted and ignored)."""
+    return RingCP(**(options or {}))(gm, example_inputs)

@@ -1,0 +1,103 @@
+"""Autograd-aware primitives that the rewritten graphs call.
+
+Gradient contract of a rewritten graph (what makes every rule below compose):
+on each rank, the backward computes a *share* of every gradient such that the sum
+of the shares over the CP group is the single-device gradient.
+
+* a ``Sharded`` value's local rows get their full gradient on the owning rank;
+* a ``Global`` value (replicated on every rank: weights, positions, a gathered
+  tensor, the loss) gets a share per rank, summing to its gradient.
+
+Hence: graph outputs that every rank computes identically scale their incoming
+gradient by 1/N (:func:`grad_scale`); a gather's backward is a reduce-scatter
+(:func:`gather_seq`); an all-reduce's backward is an all-reduce
+(:func:`all_reduce_sum`); and parameters (Global leaves) get their gradient as the
+sum of the shares, an all-reduce in the backward graph (:func:`grad_all_reduce`).
+Collectives are ``_c10d_functional`` ops, so AOTAutograd traces them into the
+forward/backward graphs where Inductor can schedule them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+_c10d = torch.ops._c10d_functional
+
+
+def _all_reduce(x: Tensor, group_name: str) -> Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group_name: str) -> Tensor:
+        ctx.group_name = group_name
+        return _all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad, ctx.group_name), None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group_name: str) -> Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad, ctx.group_name), None
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, group_name: str) -> Tensor:
+        ctx.dim, ctx.world, ctx.group_name = dim, world, group_name
+        ctx.save_for_backward(order)
+        local = x.movedim(dim, 0).contiguous()  # (c, ...)
+        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group_name))  # (S, ...) rank-major
+        return gathered.index_select(0, inverse).movedim(0, dim)  # global order
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (order,) = ctx.saved_tensors
+        rank_major = grad.movedim(ctx.dim, 0).index_select(0, order).contiguous()  # (S, ...)
+        local = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(rank_major, "sum", ctx.world, ctx.group_name))
+        return local.movedim(0, ctx.dim), None, None, None, None, None
+
+
+def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    """Sum over the CP group (Partial -> Global); backward: all-reduce of the gradient shares."""
+    return _AllReduceSum.apply(x, group_name)
+
+
+def grad_all_reduce(x: Tensor, group_name: str) -> Tensor:
+    """Identity forward; backward sums the gradient shares over the CP group (parameters)."""
+    return _GradAllReduce.apply(x, group_name)
+
+
+def grad_scale(x: Tensor, scale: float) -> Tensor:
+    """Identity forward; backward multiplies the gradient by ``scale`` (1/N at Global outputs)."""
+    return _GradScale.apply(x, scale)
+
+
+def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, group_name: str) -> Tensor:
+    """Sharded(dim) -> Global: all-gather the shards and undo the layout permutation.
+
+    ``order``: global positions held by ranks 0..N-1, concatenated (S,); ``inverse``:
+    its argsort. Backward: permute back and reduce-scatter the gradient shares.
+    """
+    return _GatherSeq.apply(x, dim, order, inverse, world, group_name)

@@ -1,0 +1,84 @@
+"""What every pass of one rewrite shares: the CP group, the options, the sequence length."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.fx as fx
+
+from .._group import CPGroup
+from ..layout import rank_positions
+
+log = logging.getLogger("cp_compile")
+
+
+class CPRewriteError(RuntimeError):
+    """The graph cannot be made context-parallel as asked; the message names the fix."""
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line: code`` of the model source that produced ``node`` (innermost frame), if known."""
+    lines = [ln.rstrip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+    frame_idx = [i for i, ln in enumerate(lines) if ln.strip().startswith("File ")]
+    if not frame_idx:
+        return "<unknown source>"
+    i = frame_idx[-1]
+    m = re.match(r'\s*File "([^"]+)", line (\d+)', lines[i])
+    where = f"{m.group(1)}:{m.group(2)}" if m else lines[i].strip()
+    code = next((ln.strip() for ln in lines[i + 1:] if set(ln.strip()) - set("^~ ")), "")
+    return f"{where}: {code}" if code else where
+
+
+def global_shape(node: fx.Node) -> Optional[torch.Size]:
+    """The global (single-device) shape of a tensor-valued node, from Dynamo's fake value."""
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val.shape if isinstance(val, torch.Tensor) else None
+
+
+@dataclass
+class RewriteContext:
+    """Inputs and findings of one graph rewrite (filled in as the passes run)."""
+
+    group: CPGroup
+    load_balance: str = "zigzag"
+    rotate: str = "p2p"
+    kernel: str = "auto"
+    seq_inputs: Any = "auto"
+    outputs: str = "full"
+    grad_sync: str = "allreduce"
+    strict: bool = False
+    seq_len: int = 0  # S, the attention sequence length (find_attention)
+    attention: List[fx.Node] = field(default_factory=list)
+    shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
+    fallbacks: List[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.group.size
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.group.size
+
+    def positions(self) -> torch.Tensor:
+        """Global positions of this rank's tokens (S/N,)."""
+        return rank_positions(self.seq_len, self.world, self.group.rank, self.load_balance)
+
+    def order(self) -> torch.Tensor:
+        """Positions of ranks 0..N-1 concatenated: the rank-major order of an all-gather (S,)."""
+        return torch.cat([rank_positions(self.seq_len, self.world, r, self.load_balance) for r in range(self.world)])
+
+    def fallback(self, node: fx.Node, what: str) -> None:
+        """Record (and warn about, or refuse under strict) a gather to Global."""
+        msg = f"cp_compile: {what} (node {node.name}) at {source_line(node)}"
+        if self.strict:
+            raise CPRewriteError(
+                msg + ". strict=True refuses gathering the sequence. Fix: rewrite the op so it does not mix "
+                "tokens (e.g. shift labels before the model instead of slicing logits), or pass strict=False."
+            )
+        self.fallbacks.append(msg)
+        log.warning("%s; gathering the full sequence on every rank (correct, not memory-scalable)", msg)

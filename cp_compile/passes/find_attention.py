@@ -1,0 +1,66 @@
+"""Pass 1: find every scaled_dot_product_attention and the sequence length S.
+
+Before: a Dynamo graph. After: the same graph; ``ctx.attention`` lists the SDPA
+nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
+
+SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SDPA_TARGETS
+
+
+def sdpa_arg(node: fx.Node, index: int, name: str, default=None):
+    """SDPA argument by position or keyword (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
+    where = source_line(node)
+    if sdpa_arg(node, 3, "attn_mask") is not None:
+        raise CPRewriteError(
+            f"cp_compile: scaled_dot_product_attention with an explicit attn_mask at {where} is not supported yet. "
+            "Fix: use is_causal=True (or no mask) for causal/bidirectional attention."
+        )
+    dropout = sdpa_arg(node, 4, "dropout_p", 0.0)
+    if not isinstance(dropout, (int, float)) or dropout != 0.0:
+        raise CPRewriteError(
+            f"cp_compile: scaled_dot_product_attention with dropout_p={dropout} at {where} is not supported. "
+            "Fix: set attention dropout to 0 (or model.eval())."
+        )
+    shapes = [global_shape(sdpa_arg(node, i, n)) for i, n in enumerate(("query", "key", "value"))]
+    if any(s is None or len(s) != 4 for s in shapes):
+        raise CPRewriteError(f"cp_compile: scaled_dot_product_attention at {where} must take 4-D (B, H, S, D) q/k/v.")
+    lens = {s[2] for s in shapes}
+    if len(lens) != 1:
+        raise CPRewriteError(
+            f"cp_compile: scaled_dot_product_attention at {where} has q/k/v sequence lengths {sorted(lens)}; "
+            "context parallelism needs self-attention over one sequence (cross-attention is not supported)."
+        )
+    return lens.pop()
+
+
+def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    """Fill ``ctx.attention`` and ``ctx.seq_len``; raise if there is nothing to parallelise."""
+    ctx.attention = [n for n in gm.graph.nodes if is_sdpa(n)]
+    lens = {_check_supported(n, ctx) for n in ctx.attention}
+    if len(lens) > 1:
+        raise CPRewriteError(
+            f"cp_compile: attention calls use different sequence lengths {sorted(lens)} in one graph. "
+            "Fix: compile models whose attention layers share one sequence."
+        )
+    if lens:
+        ctx.seq_len = lens.pop()
+    log.info("cp_compile: %d attention node(s), sequence length %d", len(ctx.attention), ctx.seq_len)
+    return gm

@@ -1,0 +1,195 @@
+"""Pass 3: sequence-layout propagation and the rewrite it drives, in one walk.
+
+Before: a Dynamo graph on full sequences (``ctx`` filled by find_attention and
+seq_inputs). After: a graph that every rank of the CP group runs on its share of
+the sequence:
+
+    input_ids (B, S) ─ index_select(positions) ─> (B, S/N) ── ... ── ring_attention ── ...
+    loss = ce_sum_local ─ all_reduce ─ / all_reduce(valid count)          (exact global mean)
+    weights ─ grad_all_reduce ─> (identity forward, gradient summed over the group)
+    outputs: Sharded ─ gather ─> full; every Global output ─ grad_scale(1/N)
+
+The walk visits the old graph in order and emits a new one. Each value gets a
+layout (:mod:`.layouts`); ops whose inputs are all Global are copied unchanged, and
+every other op is handled by its rule in :mod:`.rules` (the one table of layout
+rules), or gathered to Global by the fallback (warning, or an error under strict).
+Propagation and emission share one walk because a rule's conversions (indexing a
+Global operand by position, rewriting a baked-in length) are new nodes whose
+inputs are the new values.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .. import graph_ops
+from .context import CPRewriteError, RewriteContext, global_shape, log
+from .layouts import GLOBAL, Global, Layout, Sharded
+from .seq_inputs import is_parameter_like
+
+
+class Emitter:
+    """Builds the new graph; rules use it to read layouts and emit nodes."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> None:
+        self.gm, self.ctx, self.examples = gm, ctx, examples
+        self.graph = fx.Graph()
+        self.env: Dict[fx.Node, Any] = {}  # old node -> new node (or python value)
+        self.layouts: Dict[fx.Node, Any] = {}  # old node -> Layout, tuple of layouts, or None
+        self._memo: Dict[Tuple[fx.Node, int, int], fx.Node] = {}
+        self._consts: Dict[str, fx.Node] = {}
+
+    # -- reading the old graph ------------------------------------------------
+    def value(self, arg: Any) -> Any:
+        return tree_map(lambda a: self.env[a] if isinstance(a, fx.Node) else a, arg)
+
+    def layout(self, arg: Any) -> Optional[Layout]:
+        return self.layouts.get(arg) if isinstance(arg, fx.Node) else None
+
+    def sharded_inputs(self, node: fx.Node) -> bool:
+        flat, _ = tree_flatten((node.args, node.kwargs))
+        return any(isinstance(self.layout(a), Sharded) for a in flat)
+
+    # -- emitting ---------------------------------------------------------------
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return self.graph.call_function(target, args, kwargs)
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> fx.Node:
+        return self.graph.call_method(name, args, kwargs)
+
+    def copy(self, node: fx.Node, args: Tuple, kwargs: Dict) -> fx.Node:
+        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+        new.meta = dict(node.meta)
+        return new
+
+    def const(self, name: str, tensor: torch.Tensor) -> fx.Node:
+        if name not in self._consts:
+            self.gm.register_buffer(name, tensor, persistent=False)
+            self._consts[name] = self.graph.get_attr(name)
+        return self._consts[name]
+
+    def shard_index(self, size: int, inner: int) -> fx.Node:
+        """Indices of this rank's entries along a dim of global ``size`` = outer * S * inner."""
+        s, pos = self.ctx.seq_len, self.ctx.positions()
+        outer = size // (s * inner)
+        idx = (torch.arange(outer)[:, None, None] * (s * inner) + pos[None, :, None] * inner
+               + torch.arange(inner)[None, None, :]).reshape(-1)
+        return self.const(f"_cp_index_{size}_{inner}", idx)
+
+    def to_sharded(self, old: fx.Node, dim: int, inner: int = 1) -> fx.Node:
+        """A Global value indexed by this rank's positions along ``dim`` (memoised)."""
+        key = (old, dim, inner)
+        if key not in self._memo:
+            size = global_shape(old)[dim]
+            self._memo[key] = self.method("index_select", self.env[old], dim, self.shard_index(size, inner))
+        return self._memo[key]
+
+    def to_global(self, old: fx.Node) -> fx.Node:
+        """A Sharded value gathered to the full sequence on every rank."""
+        lay = self.layout(old)
+        if not isinstance(lay, Sharded):
+            return self.env[old]
+        if lay.inner != 1 or global_shape(old)[lay.dim] != self.ctx.seq_len:
+            raise CPRewriteError(
+                f"cp_compile: cannot gather {old.name} (sequence merged into dim {lay.dim} of "
+                f"{tuple(global_shape(old))}). Fix: report this model pattern; strict=False cannot help here."
+            )
+        order = self.ctx.order()
+        return self.call(
+            graph_ops.gather_seq, self.env[old], lay.dim, self.const("_cp_order", order),
+            self.const("_cp_inverse", torch.argsort(order)), self.ctx.world, self.ctx.group.name,
+        )
+
+    def fallback(self, node: fx.Node, why: str) -> Any:
+        """Gather every Sharded input of ``node`` and run it on full sequences (Global)."""
+        self.ctx.fallback(node, why)
+        gathered = {a: self.to_global(a) for a in tree_flatten((node.args, node.kwargs))[0]
+                    if isinstance(self.layout(a), Sharded)}
+        args, kwargs = tree_map(lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a,
+                                (node.args, node.kwargs))
+        return self.copy(node, args, kwargs), GLOBAL
+
+
+def _placeholder(em: Emitter, node: fx.Node) -> None:
+    new = em.copy(node, (), {})
+    example = em.examples.get(node.name)
+    ctx = em.ctx
+    if node.name in ctx.shard_inputs:
+        dim = ctx.shard_inputs[node.name]
+        em.env[node] = new
+        em.layouts[node] = GLOBAL
+        em.env[node] = em.to_sharded(node, dim)
+        em.layouts[node] = Sharded(dim)
+        return
+    needs_grad = isinstance(example, torch.Tensor) and example.requires_grad
+    is_param = is_parameter_like(node, example)
+    if needs_grad and (not is_param or ctx.grad_sync == "allreduce"):
+        new = em.call(graph_ops.grad_all_reduce, new, ctx.group.name)
+    em.env[node], em.layouts[node] = new, GLOBAL
+
+
+def _output(em: Emitter, node: fx.Node) -> None:
+    ctx = em.ctx
+
+    def finish(old: Any) -> Any:
+        if not isinstance(old, fx.Node):
+            return old
+        lay = em.layout(old)
+        if isinstance(lay, Sharded) and ctx.outputs == "local":
+            return em.env[old]
+        val = em.to_global(old) if isinstance(lay, Sharded) else em.env[old]
+        if isinstance(lay, (Sharded, Global)) and isinstance(old.meta.get("example_value"), torch.Tensor) \
+                and old.meta["example_value"].dtype.is_floating_point:
+            val = em.call(graph_ops.grad_scale, val, 1.0 / ctx.world)
+        return val
+
+    em.graph.output(_map_outputs(node.args[0], finish))
+
+
+def _map_outputs(outs: Any, fn) -> Any:
+    if isinstance(outs, (list, tuple)):
+        return type(outs)(_map_outputs(o, fn) for o in outs)
+    if isinstance(outs, dict):
+        return {k: _map_outputs(v, fn) for k, v in outs.items()}
+    return fn(outs)
+
+
+def _tuple_getitem(em: Emitter, node: fx.Node) -> bool:
+    if node.target is not operator.getitem:
+        return False
+    src, idx = node.args
+    lay = em.layout(src)
+    if isinstance(lay, tuple):
+        em.env[node] = em.copy(node, (em.env[src], idx), {})
+        em.layouts[node] = lay[idx]
+        return True
+    return False
+
+
+def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
+    from .rules import apply_rule  # the table imports Emitter's helpers
+
+    em = Emitter(gm, ctx, examples)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            _placeholder(em, node)
+        elif node.op == "output":
+            _output(em, node)
+        elif node.op == "get_attr":
+            em.env[node], em.layouts[node] = em.copy(node, (), {}), GLOBAL
+        elif _tuple_getitem(em, node):
+            continue
+        elif not em.sharded_inputs(node):
+            em.env[node] = em.copy(node, *em.value((node.args, node.kwargs)))
+            em.layouts[node] = GLOBAL
+        else:
+            em.env[node], em.layouts[node] = apply_rule(em, node)
+    new_gm = fx.GraphModule(gm, em.graph)
+    new_gm.graph.lint()
+    log.debug("cp_compile: rewritten graph\n%s", new_gm.code)
+    return new_gm

@@ -1,0 +1,305 @@
+"""The layout rules: one table from op to rule, for ops with a Sharded input.
+
+| op class | ops | Sharded(d) in -> out |
+|---|---|---|
+| pointwise (broadcasting) | + - * / neg pow, rsqrt/exp/..., silu/gelu/relu, to/float/type_as, masked_fill, where | Sharded(aligned d); Global operands with size S there are indexed by position |
+| per-token | linear, embedding, layer_norm, rms_norm, softmax/log_softmax (not over d) | Sharded(d) |
+| matmul | matmul / @ / bmm with a Global right side, d not contracted | Sharded(d) |
+| views | view/reshape (baked length rewritten to the local one), flatten, (un)squeeze, transpose/permute/movedim, expand, contiguous | Sharded(where d moves) |
+| split/join | chunk/split/unbind/cat/stack/repeat_interleave not along d | Sharded(d) |
+| getitem | full slice along d | Sharded(d moved) |
+| reductions | sum/mean over d | all-reduce -> Global (mean: / global count) |
+| attention | scaled_dot_product_attention on Sharded q/k/v | ring_attention -> Sharded |
+| losses | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
+| anything else | (token mixing: slices along d, roll, cumsum, conv, ...) | fallback: gather to Global, warn |
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .context import global_shape
+from .layouts import GLOBAL, Sharded, view_layout
+from .rewrite import Emitter
+from .rules_attention import attention_rule, loss_rules
+
+Rule = Callable[[Emitter, fx.Node], Tuple[Any, Any]]
+
+POINTWISE_FUNCS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.floordiv,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt, torch.exp,
+    torch.log, torch.tanh, torch.sigmoid, torch.sin, torch.cos, torch.abs, torch.where, torch.clamp,
+    torch.maximum, torch.minimum, torch.masked_fill, F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, F.softplus,
+    F.dropout,
+}
+POINTWISE_METHODS = {
+    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "sin", "cos",
+    "abs", "float", "half", "bfloat16", "double", "to", "type_as", "clone", "detach", "masked_fill", "clamp",
+    "__add__", "__mul__", "__sub__", "__truediv__", "__radd__", "__rmul__",
+}
+
+
+def _key(node: fx.Node) -> Any:
+    return ("method", node.target) if node.op == "call_method" else node.target
+
+
+def _ndim(node: Any) -> int:
+    return len(global_shape(node)) if isinstance(node, fx.Node) and global_shape(node) is not None else 0
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def _sharded(em: Emitter, arg: Any) -> Optional[Sharded]:
+    lay = em.layout(arg)
+    return lay if isinstance(lay, Sharded) else None
+
+
+def pointwise(em: Emitter, node: fx.Node):
+    out_nd = _ndim(node)
+    tensors = [a for a in _flat_args(node) if isinstance(a, fx.Node) and global_shape(a) is not None]
+    targets = {(s.dim + out_nd - _ndim(a), s.inner) for a in tensors if (s := _sharded(em, a))}
+    if len(targets) != 1:
+        return em.fallback(node, "sharded operands along different dims")
+    out_dim, inner = targets.pop()
+    converted: Dict[fx.Node, Any] = {}
+    for a in tensors:
+        if _sharded(em, a):
+            continue
+        d = out_dim - (out_nd - _ndim(a))
+        if d >= 0 and global_shape(a)[d] != 1:
+            converted[a] = em.to_sharded(a, d, inner)  # one entry per position: take this rank's
+    args, kwargs = _map(em, node, converted)
+    return em.copy(node, args, kwargs), Sharded(out_dim, inner)
+
+
+def per_token(em: Emitter, node: fx.Node):
+    """First argument carries the tokens; the rest are Global weights; trailing dims are features."""
+    x, s = node.args[0], _sharded(em, node.args[0])
+    others = [a for a in _flat_args(node)[1:] if _sharded(em, a)]
+    reduced = _trailing_feature_dims(node)
+    if s is None or others or s.dim >= _ndim(x) - reduced:
+        return em.fallback(node, f"{_name(node)} over the sequence dim")
+    return em.copy(node, *em.value((node.args, node.kwargs))), s
+
+
+def _trailing_feature_dims(node: fx.Node) -> int:
+    t, nd = node.target, _ndim(node.args[0])
+    if t in (F.layer_norm, getattr(F, "rms_norm", None)):
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+        return len(shape) if isinstance(shape, (list, tuple)) else 1
+    if t in (F.softmax, F.log_softmax) or (node.op == "call_method" and t in ("softmax", "log_softmax")):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        return nd - _norm(dim, nd)
+    if t in (F.embedding,):
+        return 0
+    return 1  # linear: the last dim is contracted
+
+
+def matmul(em: Emitter, node: fx.Node):
+    a, b = node.args[0], node.args[1]
+    s = _sharded(em, a)
+    if s is None or _sharded(em, b) or s.dim >= _ndim(a) - 1:
+        return em.fallback(node, "matmul mixing tokens")
+    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim + _ndim(node) - _ndim(a), s.inner)
+
+
+def view(em: Emitter, node: fx.Node):
+    x, s = node.args[0], _sharded(em, node.args[0])
+    out = view_layout(global_shape(x), global_shape(node), s, em.ctx.seq_len)
+    if out is None:
+        return em.fallback(node, "view that splits the sequence dim")
+    args = list(em.value(node.args))
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    if sizes:  # a shape baked in for the full sequence: make exactly the sequence dim local
+        sizes = list(sizes)
+        if sizes[out.dim] != -1:
+            sizes[out.dim] = sizes[out.dim] // em.ctx.world
+        args = [args[0], tuple(sizes)] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) \
+            else [args[0], *sizes]
+    kwargs = dict(em.value(node.kwargs))
+    if "shape" in kwargs and kwargs["shape"][out.dim] != -1:
+        kwargs["shape"] = tuple(v // em.ctx.world if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
+    return em.copy(node, tuple(args), kwargs), out
+
+
+def shape_only(em: Emitter, node: fx.Node):
+    """Ops without size arguments (flatten, squeeze, unsqueeze, contiguous): follow the shapes."""
+    s = _sharded(em, node.args[0])
+    out = view_layout(global_shape(node.args[0]), global_shape(node), s, em.ctx.seq_len)
+    if out is None:
+        return em.fallback(node, f"{_name(node)} that splits the sequence dim")
+    return em.copy(node, *em.value((node.args, node.kwargs))), out
+
+
+def permute(em: Emitter, node: fx.Node):
+    s, nd = _sharded(em, node.args[0]), _ndim(node.args[0])
+    name = _name(node)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = (_norm(d, nd) for d in _dims_args(node, 2))
+        order = list(range(nd))
+        order[d0], order[d1] = order[d1], order[d0]
+    elif name == "t":
+        order = list(reversed(range(nd)))
+    elif name == "permute":
+        order = [_norm(d, nd) for d in _dims_args(node, nd)]
+    else:  # movedim
+        src, dst = (_norm(d, nd) for d in _dims_args(node, 2))
+        order = [d for d in range(nd) if d != src]
+        order.insert(dst, src)
+    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(order.index(s.dim), s.inner)
+
+
+def expand(em: Emitter, node: fx.Node):
+    s, x = _sharded(em, node.args[0]), node.args[0]
+    out_dim = s.dim + _ndim(node) - _ndim(x)
+    sizes = list(node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:])
+    if sizes[out_dim] != -1:
+        sizes[out_dim] = sizes[out_dim] // em.ctx.world
+    return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner)
+
+
+def along_dim(em: Emitter, node: fx.Node):
+    """chunk / split / unbind / repeat_interleave: fine unless along the sequence dim."""
+    x, s = node.args[0], _sharded(em, node.args[0])
+    nd, name = _ndim(x), _name(node)
+    default = 0 if name in ("chunk", "split", "unbind") else None
+    pos = {"chunk": 2, "split": 2, "unbind": 1, "repeat_interleave": 2}.get(name, 2)
+    dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
+    if dim is None or _norm(dim, nd) == s.dim:
+        return em.fallback(node, f"{name} along the sequence dim")
+    new = em.copy(node, *em.value((node.args, node.kwargs)))
+    if name == "repeat_interleave":
+        return new, s
+    n_out = len(node.meta["example_value"])
+    out = Sharded(s.dim - (1 if name == "unbind" and _norm(dim, nd) < s.dim else 0), s.inner)
+    return new, tuple(out for _ in range(n_out))
+
+
+def concat(em: Emitter, node: fx.Node):
+    tensors = list(node.args[0])
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    lays = {(s.dim, s.inner) for t in tensors if (s := _sharded(em, t))}
+    nd = _ndim(tensors[0])
+    seq_dim, inner = lays.pop() if len(lays) == 1 else (None, 1)
+    is_stack = node.target is torch.stack
+    if seq_dim is None or (not is_stack and _norm(dim, nd) == seq_dim):
+        return em.fallback(node, f"{_name(node)} along the sequence dim")
+    conv = {t: em.to_sharded(t, seq_dim, inner) for t in tensors if not _sharded(em, t)}
+    new_list = [conv.get(t, em.env[t]) for t in tensors]
+    out_dim = seq_dim + (1 if is_stack and _norm(dim, nd + 1) <= seq_dim else 0)
+    return em.copy(node, (new_list, *em.value(node.args[1:])), em.value(node.kwargs)), Sharded(out_dim, inner)
+
+
+def getitem(em: Emitter, node: fx.Node):
+    x, index = node.args
+    s = _sharded(em, x)
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, fx.Node) or i is Ellipsis for i in index):
+        return em.fallback(node, "indexing with tensors or ... on a sharded value")
+    in_dim, out_dim = 0, 0
+    for i in index:
+        if i is None:
+            out_dim += 1
+            continue
+        if in_dim == s.dim:
+            if i == slice(None):
+                return em.copy(node, (em.env[x], node.args[1]), {}), Sharded(out_dim, s.inner)
+            return em.fallback(node, f"slicing the sequence dim with {i!r}")
+        out_dim += 0 if isinstance(i, int) else 1
+        in_dim += 1
+    return em.copy(node, (em.env[x], node.args[1]), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
+
+
+def reduction(em: Emitter, node: fx.Node):
+    x, s, nd, name = node.args[0], _sharded(em, node.args[0]), _ndim(node.args[0]), _name(node)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = list(range(nd)) if dim is None else [_norm(d, nd) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+    if s.dim not in dims:
+        shift = 0 if keep else sum(1 for d in dims if d < s.dim)
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim - shift, s.inner)
+    if name not in ("sum", "mean") or len(node.args) > 3 or set(node.kwargs) - {"dim", "keepdim"}:
+        return em.fallback(node, f"{name} over the sequence dim")
+    total = em.method("sum", em.env[x], dims, keep)
+    if name == "mean":
+        count = 1
+        for d in dims:
+            count *= global_shape(x)[d]
+        total = em.call(operator.mul, total, 1.0 / count)
+    from .. import graph_ops
+
+    return em.call(graph_ops.all_reduce_sum, total, em.ctx.group.name), GLOBAL
+
+
+def _flat_args(node: fx.Node) -> list:
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten((node.args, node.kwargs))[0]
+
+
+def _map(em: Emitter, node: fx.Node, converted: Dict[fx.Node, Any]):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda a: converted.get(a, em.env[a]) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _dims_args(node: fx.Node, n: int) -> Sequence[int]:
+    rest = node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        return rest[0]
+    if rest:
+        return rest
+    return [node.kwargs[k] for k in ("dim0", "dim1", "source", "destination", "dims") if k in node.kwargs][:n]
+
+
+def _table() -> Dict[Any, Rule]:
+    t: Dict[Any, Rule] = {f: pointwise for f in POINTWISE_FUNCS}
+    t.update({("method", m): pointwise for m in POINTWISE_METHODS})
+    for f in (F.linear, torch._C._nn.linear, F.embedding, F.layer_norm, F.softmax, F.log_softmax):
+        t[f] = per_token
+    if hasattr(F, "rms_norm"):
+        t[F.rms_norm] = per_token
+    t.update({("method", "softmax"): per_token, ("method", "log_softmax"): per_token})
+    t.update({operator.matmul: matmul, torch.matmul: matmul, torch.bmm: matmul,
+              ("method", "matmul"): matmul, ("method", "bmm"): matmul})
+    t.update({("method", "view"): view, ("method", "reshape"): view, torch.reshape: view})
+    for m in ("flatten", "squeeze", "unsqueeze", "contiguous"):
+        t[("method", m)] = shape_only
+    t.update({torch.flatten: shape_only, torch.squeeze: shape_only, torch.unsqueeze: shape_only})
+    for m in ("transpose", "swapaxes", "swapdims", "permute", "movedim", "t"):
+        t[("method", m)] = permute
+    t.update({torch.transpose: permute, torch.permute: permute, torch.movedim: permute})
+    t[("method", "expand")] = expand
+    for m in ("chunk", "split", "unbind", "repeat_interleave"):
+        t[("method", m)] = along_dim
+    t.update({torch.chunk: along_dim, torch.split: along_dim, torch.unbind: along_dim})
+    t.update({torch.cat: concat, torch.concat: concat, torch.stack: concat})
+    t[operator.getitem] = getitem
+    for m in ("sum", "mean"):
+        t[("method", m)] = reduction
+    t.update({torch.sum: reduction, torch.mean: reduction})
+    t.update(attention_rule())
+    t.update(loss_rules())
+    return t
+
+
+RULES: Dict[Any, Rule] = _table()
+
+
+def apply_rule(em: Emitter, node: fx.Node):
+    """Layout and new value of ``node``, which has at least one Sharded input."""
+    rule = RULES.get(_key(node))
+    if rule is None:
+        return em.fallback(node, f"{_name(node)} is not known to be per-token")
+    return rule(em, node)

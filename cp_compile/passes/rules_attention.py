@@ -1,0 +1,132 @@
+"""Rules for attention (-> ring attention) and losses (-> exact global reductions)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import operator
+from typing import Any, Dict
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .. import graph_ops
+from .context import CPRewriteError, global_shape, source_line
+from .find_attention import SDPA_TARGETS, sdpa_arg
+from .layouts import GLOBAL, Sharded
+
+
+def _unrepeated_kv(em, old: fx.Node) -> fx.Node:
+    """``k.repeat_interleave(g, dim=1)`` feeding attention: ship the H_kv heads, not the copies."""
+    if old.op == "call_method" and old.target == "repeat_interleave":
+        dim = old.args[2] if len(old.args) > 2 else old.kwargs.get("dim")
+        src = old.args[0]
+        if dim in (1, -3) and isinstance(em.layout(src), Sharded) and em.layout(src).dim == 2:
+            return src
+    return old
+
+
+def _as_seq_sharded(em, old: fx.Node, node: fx.Node) -> Any:
+    lay = em.layout(old)
+    if isinstance(lay, Sharded):
+        if lay.dim != 2 or lay.inner != 1:
+            raise CPRewriteError(f"cp_compile: attention input {old.name} at {source_line(node)} is sharded along "
+                                 f"dim {lay.dim}, expected (B, H, S, D) with the sequence at dim 2.")
+        return em.env[old]
+    return em.to_sharded(old, 2)
+
+
+def sdpa(em, node: fx.Node):
+    q = sdpa_arg(node, 0, "query")
+    k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
+    v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
+    causal = bool(sdpa_arg(node, 5, "is_causal", False))
+    scale = sdpa_arg(node, 6, "scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(global_shape(q)[-1])
+    hq, hk, hv = global_shape(q)[1], global_shape(k)[1], global_shape(v)[1]
+    if hk != hv or hq % hk:
+        raise CPRewriteError(f"cp_compile: attention at {source_line(node)} has q/k/v heads {hq}/{hk}/{hv}; "
+                             "need H % H_kv == 0 and equal k/v heads.")
+    ctx = em.ctx
+    out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
+                  _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), causal, float(scale),
+                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel)
+    return em.call(operator.getitem, out, 0), Sharded(2)
+
+
+def attention_rule() -> Dict[Any, Any]:
+    return {t: sdpa for t in SDPA_TARGETS}
+
+
+def _bind(fn, node: fx.Node) -> inspect.BoundArguments:
+    bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _target_dim(input_dim: int, input_nd: int) -> int:
+    """Class-index losses: input (N, C, d1, ...) pairs with target (N, d1, ...)."""
+    if input_nd == 1 or input_dim == 0:
+        return 0
+    return input_dim - 1
+
+
+def _global_sum(em, local_sum: fx.Node) -> fx.Node:
+    return em.call(graph_ops.all_reduce_sum, local_sum, em.ctx.group.name)
+
+
+def class_loss(em, node: fx.Node):
+    """cross_entropy / nll_loss: local sum over this rank's tokens, divided by the global valid count."""
+    a = _bind(node.target, node)
+    inp, tgt = a["input"], a["target"]
+    s = em.layout(inp)
+    if not isinstance(s, Sharded) or a.get("size_average") is not None or a.get("reduce") is not None:
+        return em.fallback(node, f"{node.target.__name__} with legacy or unsharded arguments")
+    td = _target_dim(s.dim, len(global_shape(inp)))
+    t_lay = em.layout(tgt)
+    if isinstance(t_lay, Sharded) and (t_lay.dim, t_lay.inner) != (td, s.inner):
+        return em.fallback(node, "loss target sharded differently from its input")
+    new_tgt = em.env[tgt] if isinstance(t_lay, Sharded) else em.to_sharded(tgt, td, s.inner)
+    kwargs = {k: em.value(v) for k, v in a.items() if k not in ("input", "target", "size_average", "reduce")}
+    reduction = kwargs.pop("reduction")
+    local = em.call(node.target, em.env[inp], new_tgt, **kwargs, reduction="none" if reduction == "none" else "sum")
+    if reduction == "none":
+        return local, Sharded(td, s.inner)
+    total = _global_sum(em, local)
+    if reduction == "sum":
+        return total, GLOBAL
+    if kwargs.get("weight") is not None:
+        return em.fallback(node, f"{node.target.__name__} with class weights and mean reduction")
+    valid = em.method("sum", em.call(operator.ne, new_tgt, kwargs["ignore_index"]))
+    count = _global_sum(em, em.method("to", valid, torch.float32))
+    return em.call(operator.truediv, total, em.method("to", count, global_dtype(node))), GLOBAL
+
+
+def global_dtype(node: fx.Node) -> torch.dtype:
+    return node.meta["example_value"].dtype
+
+
+def elementwise_loss(em, node: fx.Node):
+    """mse_loss / l1_loss: per-element terms; mean divides by the global element count."""
+    a = _bind(node.target, node)
+    inp, tgt = a["input"], a["target"]
+    if a.get("size_average") is not None or a.get("reduce") is not None or a.get("weight") is not None:
+        return em.fallback(node, f"{node.target.__name__} with legacy or weight arguments")
+    s = em.layout(inp) if isinstance(em.layout(inp), Sharded) else em.layout(tgt)
+    if any(isinstance(em.layout(t), Sharded) and em.layout(t) != s for t in (inp, tgt)):
+        return em.fallback(node, "loss operands sharded differently")
+    new = [em.env[t] if isinstance(em.layout(t), Sharded) else em.to_sharded(t, s.dim, s.inner) for t in (inp, tgt)]
+    reduction = a["reduction"]
+    local = em.call(node.target, *new, reduction="none" if reduction == "none" else "sum")
+    if reduction == "none":
+        return local, s
+    if reduction == "mean":
+        local = em.call(operator.mul, local, 1.0 / math.prod(global_shape(inp)))
+    return _global_sum(em, local), GLOBAL
+
+
+def loss_rules() -> Dict[Any, Any]:
+    return {F.cross_entropy: class_loss, F.nll_loss: class_loss, F.mse_loss: elementwise_loss,
+            F.l1_loss: elementwise_loss}

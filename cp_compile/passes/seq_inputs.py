@@ -1,0 +1,85 @@
+"""Pass 2: decide which graph inputs carry the sequence (and along which dim).
+
+Before: a graph with ``ctx.attention`` found. After: ``ctx.shard_inputs`` maps
+placeholder names to their sequence dim. ``seq_inputs="auto"`` picks the user
+inputs (never parameters or buffers) that reach the q/k/v of an attention and have
+exactly one dim of size S; a mapping ``{"input_ids": 1, ...}`` (argument names)
+always wins. Inputs left out stay Global and are indexed by position where they
+meet sharded values, which is also exact.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from .context import CPRewriteError, RewriteContext, global_shape, log
+from .find_attention import sdpa_arg
+
+
+def _source_name(node: fx.Node) -> str:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return str(node.target)
+    name = source.name
+    return name() if callable(name) else str(name)
+
+
+def user_name(node: fx.Node) -> str:
+    """The argument name behind a Dynamo placeholder (``L['input_ids']`` -> ``input_ids``)."""
+    name = _source_name(node)
+    m = re.fullmatch(r"L\['([^']+)'\]", name)
+    return m.group(1) if m else name
+
+
+def is_parameter_like(node: fx.Node, example: Optional[torch.Tensor]) -> bool:
+    """Parameters, module buffers and anything else that is not a forward() argument."""
+    if isinstance(example, torch.nn.Parameter):
+        return True
+    return re.fullmatch(r"L\['[^']+'\]", _source_name(node)) is None
+
+
+def _dataflow(gm: fx.GraphModule) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for n in gm.graph.nodes:
+        g.add_node(n)
+        for user in n.users:
+            g.add_edge(n, user)
+    return g
+
+
+def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_user = {user_name(n): n for n in placeholders}
+    if isinstance(ctx.seq_inputs, dict):
+        unknown = set(ctx.seq_inputs) - set(by_user)
+        if unknown:
+            raise CPRewriteError(
+                f"cp_compile: seq_inputs names {sorted(unknown)} are not inputs of the compiled graph "
+                f"(inputs: {sorted(by_user)}). Fix: use the forward() argument names."
+            )
+        ctx.shard_inputs = {by_user[k].name: dim % len(global_shape(by_user[k])) for k, dim in ctx.seq_inputs.items()}
+        return gm
+    flow = _dataflow(gm)
+    qkv = {sdpa_arg(a, i, nm) for a in ctx.attention for i, nm in enumerate(("query", "key", "value"))}
+    feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv)) if qkv else set()
+    for n in placeholders:
+        shape = global_shape(n)
+        if n not in feeds or shape is None or is_parameter_like(n, examples.get(n.name)):
+            continue
+        dims = [d for d, size in enumerate(shape) if size == ctx.seq_len]
+        if len(dims) > 1:
+            raise CPRewriteError(
+                f"cp_compile: input {user_name(n)!r} of shape {tuple(shape)} has several dims of the sequence "
+                f"length {ctx.seq_len}. Fix: say which with options={{'seq_inputs': {{'{user_name(n)}': DIM}}}}."
+            )
+        if dims:
+            ctx.shard_inputs[n.name] = dims[0]
+    log.info("cp_compile: sharding inputs %s", {user_name(by_node): d for by_node in placeholders
+                                                  for name, d in ctx.shard_inputs.items() if by_node.name == name})
+    return gm
