@@ -11,7 +11,7 @@ the inner compiler unchanged.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
@@ -19,10 +19,10 @@ import torch.fx as fx
 
 from ._group import resolve_group
 from .config import LOAD_BALANCES, ROTATES, check_choice
-from .passes.context import RewriteContext
+from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
 from .passes.rewrite import rewrite_graph
-from .passes.seq_inputs import choose_seq_inputs
+from .passes.seq_inputs import choose_seq_inputs, resolve_candidates
 
 log = logging.getLogger("cp_compile")
 
@@ -92,10 +92,22 @@ class RingCP:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         examples = {n.name: t for n, t in zip(placeholders, example_inputs)}
         choose_seq_inputs(gm, ctx, examples)
+        if ctx.seq_inputs == "auto":
+            resolve_candidates(ctx, lambda choice: _rewrites_cleanly(gm, ctx, examples, choice), gm)
         new_gm = rewrite_graph(gm, ctx, examples)
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)
         return inner(new_gm, example_inputs)
+
+
+def _rewrites_cleanly(gm: fx.GraphModule, ctx: RewriteContext, examples, choice: Dict[str, int]) -> bool:
+    """Whether sharding ``choice`` lets the whole graph rewrite with no gather (a trial run)."""
+    trial = replace(ctx, shard_inputs=choice, strict=True, fallbacks=[])
+    try:
+        rewrite_graph(gm, trial, examples)
+    except CPRewriteError:
+        return False
+    return True
 
 
 def ring_cp(

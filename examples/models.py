@@ -48,6 +48,8 @@ class LlamaConfig:
     # False: labels come shifted by the caller (labels[:, t] = target of position t).
     # True: labels are the unshifted ids; forward shifts them, Hugging Face style.
     shift_labels_inside: bool = False
+    # True: a graph break after every layer (eager code between compiled pieces).
+    graph_break_between_layers: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -162,6 +164,8 @@ class Llama(nn.Module):
         x = self.tok_emb(input_ids)  # (B, S, dim)
         for layer in self.layers:
             x = layer(x, cos, sin)
+            if self.cfg.graph_break_between_layers:
+                torch._dynamo.graph_break()
         logits = self.lm_head(self.norm(x))  # (B, S, V)
         if labels is None:
             return logits

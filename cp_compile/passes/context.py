@@ -54,6 +54,7 @@ class RewriteContext:
     seq_len: int = 0  # S, the attention sequence length (find_attention)
     attention: List[fx.Node] = field(default_factory=list)
     shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
+    shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates
     fallbacks: List[str] = field(default_factory=list)
 
     @property

@@ -116,21 +116,22 @@ class Emitter:
 
 
 def _placeholder(em: Emitter, node: fx.Node) -> None:
+    """Graph inputs are Global; sequence inputs are then indexed by this rank's positions.
+
+    An input that needs a gradient gets ``grad_all_reduce`` first: its per-rank
+    gradient is a share (local positions only, or a replicated use), and the caller
+    (an optimizer, or eager code before a graph break) needs the full gradient.
+    Parameters skip it under ``grad_sync="none"`` (DDP/FSDP sums them).
+    """
+    ctx, example = em.ctx, em.examples.get(node.name)
     new = em.copy(node, (), {})
-    example = em.examples.get(node.name)
-    ctx = em.ctx
-    if node.name in ctx.shard_inputs:
-        dim = ctx.shard_inputs[node.name]
-        em.env[node] = new
-        em.layouts[node] = GLOBAL
-        em.env[node] = em.to_sharded(node, dim)
-        em.layouts[node] = Sharded(dim)
-        return
     needs_grad = isinstance(example, torch.Tensor) and example.requires_grad
-    is_param = is_parameter_like(node, example)
-    if needs_grad and (not is_param or ctx.grad_sync == "allreduce"):
+    if needs_grad and (not is_parameter_like(node, example) or ctx.grad_sync == "allreduce"):
         new = em.call(graph_ops.grad_all_reduce, new, ctx.group.name)
     em.env[node], em.layouts[node] = new, GLOBAL
+    if node.name in ctx.shard_inputs:
+        dim = ctx.shard_inputs[node.name]
+        em.env[node], em.layouts[node] = em.to_sharded(node, dim), Sharded(dim)
 
 
 def _output(em: Emitter, node: fx.Node) -> None:

@@ -3,15 +3,16 @@
 Before: a graph with ``ctx.attention`` found. After: ``ctx.shard_inputs`` maps
 placeholder names to their sequence dim. ``seq_inputs="auto"`` picks the user
 inputs (never parameters or buffers) that reach the q/k/v of an attention and have
-exactly one dim of size S; a mapping ``{"input_ids": 1, ...}`` (argument names)
-always wins. Inputs left out stay Global and are indexed by position where they
+a dim of size S (several such dims: settled by :func:`resolve_candidates`); a
+mapping ``{"input_ids": 1, ...}`` (argument names) always wins. Inputs left out stay Global and are indexed by position where they
 meet sharded values, which is also exact.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from itertools import product
+from typing import Callable, Dict, Optional
 
 import networkx as nx
 import torch
@@ -73,13 +74,23 @@ def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[st
         if n not in feeds or shape is None or is_parameter_like(n, examples.get(n.name)):
             continue
         dims = [d for d, size in enumerate(shape) if size == ctx.seq_len]
-        if len(dims) > 1:
-            raise CPRewriteError(
-                f"cp_compile: input {user_name(n)!r} of shape {tuple(shape)} has several dims of the sequence "
-                f"length {ctx.seq_len}. Fix: say which with options={{'seq_inputs': {{'{user_name(n)}': DIM}}}}."
-            )
         if dims:
-            ctx.shard_inputs[n.name] = dims[0]
-    log.info("cp_compile: sharding inputs %s", {user_name(by_node): d for by_node in placeholders
-                                                  for name, d in ctx.shard_inputs.items() if by_node.name == name})
+            ctx.shard_candidates[n.name] = dims
     return gm
+
+
+def resolve_candidates(ctx: RewriteContext, works: Callable[[Dict[str, int]], bool], gm: fx.GraphModule) -> None:
+    """Pick one sequence dim per input. Inputs with several dims of size S (hidden size
+    equal to S, say) are settled by trial: the choice under which the whole graph
+    rewrites without any gather is the one whose dim reaches attention's sequence axis."""
+    names = {n.name: user_name(n) for n in gm.graph.nodes if n.op == "placeholder"}
+    choices = [dict(zip(ctx.shard_candidates, combo)) for combo in product(*ctx.shard_candidates.values())]
+    good = [c for c in choices if len(choices) == 1 or works(c)]
+    if len(good) != 1:
+        amb = {names[k]: v for k, v in ctx.shard_candidates.items() if len(v) > 1}
+        raise CPRewriteError(
+            f"cp_compile: cannot tell the sequence dim of inputs {amb} ({len(good)} choices rewrite cleanly). "
+            f"Fix: name it, e.g. options={{'seq_inputs': {{'{next(iter(amb), 'x')}': DIM}}}}."
+        )
+    ctx.shard_inputs = good[0]
+    log.info("cp_compile: sharding inputs %s", {names[k]: d for k, d in ctx.shard_inputs.items()})
