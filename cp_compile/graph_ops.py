@@ -74,7 +74,10 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (order,) = ctx.saved_tensors
-        rank_major = grad.movedim(ctx.dim, 0).index_select(0, order).contiguous()  # (S, ...)
+        g = grad.movedim(ctx.dim, 0)  # (S, ...); padding positions (S..S_pad) get zero gradient
+        if g.shape[0] < order.numel():
+            g = torch.cat([g, g.new_zeros((order.numel() - g.shape[0], *g.shape[1:]))])
+        rank_major = g.index_select(0, order).contiguous()  # (S_pad, ...)
         local = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(rank_major, "sum", ctx.world, ctx.group_name))
         return local.movedim(0, ctx.dim), None, None, None, None, None
 
@@ -97,7 +100,8 @@ def grad_scale(x: Tensor, scale: float) -> Tensor:
 def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, group_name: str) -> Tensor:
     """Sharded(dim) -> Global: all-gather the shards and undo the layout permutation.
 
-    ``order``: global positions held by ranks 0..N-1, concatenated (S,); ``inverse``:
-    its argsort. Backward: permute back and reduce-scatter the gradient shares.
+    ``order``: global positions held by ranks 0..N-1, concatenated (S_pad,);
+    ``inverse``: the first S entries of its argsort (padding dropped). Backward:
+    permute back and reduce-scatter the gradient shares.
     """
     return _GatherSeq.apply(x, dim, order, inverse, world, group_name)

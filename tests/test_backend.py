@@ -229,3 +229,37 @@ def test_inductor_cold_and_warm_cache(ranks):
     for per_run in ranks.run(2, _inductor_twice, timeout=600):
         for loss_err, grad_err in per_run:
             assert loss_err <= TOL and grad_err <= TOL, per_run
+
+
+@pytest.mark.parametrize(
+    "world,factory,kw",
+    [
+        (2, "llama_factory", {"seq_len": 61}),  # causal: padding at the end is never visible
+        (4, "llama_factory", {"seq_len": 50, "shift_labels_inside": True}),  # padding + a gathered slice
+        (2, "encoder_factory", {"seq_len": 30}),  # non-causal: padded keys must be masked out
+        (4, "gpt2_factory", {"seq_len": 37}),
+    ],
+)
+def test_any_sequence_length_is_padded_and_exact(ranks, world, factory, kw):
+    for loss_err, grad_err, _fallbacks, summary in ranks.run(world, _compare, factory, kw, {}):
+        assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
+        assert summary["ring_attention_fwd"] == 2
+
+
+def _padded_all_labels_valid(seq_len: int):
+    """Every label valid (the last one too), so padding rows would count if not masked."""
+    torch._dynamo.reset()
+    ref_model, (ids, _) = models.llama_factory(seq_len=seq_len)
+    cp_model, _ = models.llama_factory(seq_len=seq_len)
+    labels = torch.roll(ids, -1, dims=1)
+    ref = ref_model(ids, labels)
+    ref.backward()
+    out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)(ids, labels)
+    out.backward()
+    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    return _rel(out.detach(), ref.detach()), grad_err
+
+
+def test_padding_rows_never_count_in_the_loss(ranks):
+    for loss_err, grad_err in ranks.run(2, _padded_all_labels_valid, 62):
+        assert loss_err <= TOL and grad_err <= TOL

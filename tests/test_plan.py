@@ -187,3 +187,14 @@ def test_every_pair_computed_once_globally(cfg):
     total = sum(step_work(lb, causal, n, r, t, c) for r in range(n) for t in range(n))
     expected = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
     assert total == expected, (n, lb, c, causal, total, expected)
+
+
+def test_noncausal_padding_keeps_a_prefix_of_the_keys():
+    """Padding sits at the end of the sequence, so a block's real keys are a prefix."""
+    full = Segment(slice(None), slice(None), False)
+    assert step_segments("zigzag", False, 2, 0, 1, 8, valid_keys=8) == (full,)
+    assert step_segments("zigzag", False, 2, 0, 1, 8, valid_keys=None) == (full,)
+    assert step_segments("zigzag", False, 2, 0, 1, 8, valid_keys=3) == (Segment(slice(None), slice(0, 3), False),)
+    assert step_segments("striped", False, 4, 2, 1, 8, valid_keys=0) == ()
+    # causal attention never needs it: padding is after every real query
+    assert step_segments("zigzag", True, 2, 1, 1, 8, valid_keys=3) == (Segment(slice(None), slice(None), True),)

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .._group import CPGroup
-from ..layout import rank_positions
+from ..layout import rank_positions, split_multiple
 
 log = logging.getLogger("cp_compile")
 
@@ -62,16 +62,30 @@ class RewriteContext:
         return self.group.size
 
     @property
+    def padded_len(self) -> int:
+        """S rounded up to what the layout splits evenly; positions >= S are padding."""
+        m = split_multiple(self.world, self.load_balance)
+        return -(-self.seq_len // m) * m
+
+    @property
+    def padded(self) -> bool:
+        return self.padded_len != self.seq_len
+
+    @property
     def local_len(self) -> int:
-        return self.seq_len // self.group.size
+        return self.padded_len // self.world
+
+    def local_size(self, global_size: int) -> int:
+        """Per-rank size of a dim of global size outer * S * inner (the sequence factor becomes c)."""
+        return global_size // self.seq_len * self.local_len
 
     def positions(self) -> torch.Tensor:
-        """Global positions of this rank's tokens (S/N,)."""
-        return rank_positions(self.seq_len, self.world, self.group.rank, self.load_balance)
+        """Global positions of this rank's tokens (c,), padding (>= S) included."""
+        return rank_positions(self.padded_len, self.world, self.group.rank, self.load_balance)
 
     def order(self) -> torch.Tensor:
-        """Positions of ranks 0..N-1 concatenated: the rank-major order of an all-gather (S,)."""
-        return torch.cat([rank_positions(self.seq_len, self.world, r, self.load_balance) for r in range(self.world)])
+        """Positions of ranks 0..N-1 concatenated: the rank-major order of an all-gather (S_pad,)."""
+        return torch.cat([rank_positions(self.padded_len, self.world, r, self.load_balance) for r in range(self.world)])
 
     def fallback(self, node: fx.Node, what: str) -> None:
         """Record (and warn about, or refuse under strict) a gather to Global."""

@@ -73,13 +73,30 @@ class Emitter:
             self._consts[name] = self.graph.get_attr(name)
         return self._consts[name]
 
-    def shard_index(self, size: int, inner: int) -> fx.Node:
-        """Indices of this rank's entries along a dim of global ``size`` = outer * S * inner."""
+    def _local_index(self, size: int, inner: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(indices, valid) of this rank's entries along a dim of global ``size`` = outer * S * inner.
+
+        Padding positions (>= S) read the last real token (finite values, never
+        attended, masked out of reductions); ``valid`` marks the real ones.
+        """
         s, pos = self.ctx.seq_len, self.ctx.positions()
         outer = size // (s * inner)
-        idx = (torch.arange(outer)[:, None, None] * (s * inner) + pos[None, :, None] * inner
-               + torch.arange(inner)[None, None, :]).reshape(-1)
-        return self.const(f"_cp_index_{size}_{inner}", idx)
+        grid = lambda p: (torch.arange(outer)[:, None, None] * (s * inner) + p[None, :, None] * inner  # noqa: E731
+                          + torch.arange(inner)[None, None, :]).reshape(-1)
+        valid = (pos < s)[None, :, None].expand(outer, -1, inner).reshape(-1)
+        return grid(pos.clamp(max=s - 1)), valid
+
+    def shard_index(self, size: int, inner: int) -> fx.Node:
+        return self.const(f"_cp_index_{size}_{inner}", self._local_index(size, inner)[0])
+
+    def valid_mask(self, old: fx.Node, dim: int, inner: int) -> Optional[fx.Node]:
+        """Bool mask broadcastable to the local value of ``old``: False at padding rows (None if unpadded)."""
+        if not self.ctx.padded:
+            return None
+        shape = global_shape(old)
+        valid = self._local_index(shape[dim], inner)[1]
+        view = [valid.numel() if d == dim else 1 for d in range(len(shape))]
+        return self.const(f"_cp_valid_{shape[dim]}_{inner}_{dim}_{len(shape)}", valid.reshape(view))
 
     def to_sharded(self, old: fx.Node, dim: int, inner: int = 1) -> fx.Node:
         """A Global value indexed by this rank's positions along ``dim`` (memoised)."""
@@ -100,9 +117,10 @@ class Emitter:
                 f"{tuple(global_shape(old))}). Fix: report this model pattern; strict=False cannot help here."
             )
         order = self.ctx.order()
+        inverse = torch.argsort(order)[: self.ctx.seq_len]  # drops the padding positions
         return self.call(
             graph_ops.gather_seq, self.env[old], lay.dim, self.const("_cp_order", order),
-            self.const("_cp_inverse", torch.argsort(order)), self.ctx.world, self.ctx.group.name,
+            self.const("_cp_inverse", inverse), self.ctx.world, self.ctx.group.name,
         )
 
     def fallback(self, node: fx.Node, why: str) -> Any:

@@ -120,12 +120,12 @@ def view(em: Emitter, node: fx.Node):
     if sizes:  # a shape baked in for the full sequence: make exactly the sequence dim local
         sizes = list(sizes)
         if sizes[out.dim] != -1:
-            sizes[out.dim] = sizes[out.dim] // em.ctx.world
+            sizes[out.dim] = em.ctx.local_size(sizes[out.dim])
         args = [args[0], tuple(sizes)] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) \
             else [args[0], *sizes]
     kwargs = dict(em.value(node.kwargs))
     if "shape" in kwargs and kwargs["shape"][out.dim] != -1:
-        kwargs["shape"] = tuple(v // em.ctx.world if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
+        kwargs["shape"] = tuple(em.ctx.local_size(v) if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
     return em.copy(node, tuple(args), kwargs), out
 
 
@@ -161,7 +161,7 @@ def expand(em: Emitter, node: fx.Node):
     out_dim = s.dim + _ndim(node) - _ndim(x)
     sizes = list(node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:])
     if sizes[out_dim] != -1:
-        sizes[out_dim] = sizes[out_dim] // em.ctx.world
+        sizes[out_dim] = em.ctx.local_size(sizes[out_dim])
     return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner)
 
 
@@ -227,7 +227,9 @@ def reduction(em: Emitter, node: fx.Node):
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim - shift, s.inner)
     if name not in ("sum", "mean") or len(node.args) > 3 or set(node.kwargs) - {"dim", "keepdim"}:
         return em.fallback(node, f"{name} over the sequence dim")
-    total = em.method("sum", em.env[x], dims, keep)
+    mask = em.valid_mask(x, s.dim, s.inner)
+    local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], 0.0)  # padding adds nothing
+    total = em.method("sum", local, dims, keep)
     if name == "mean":
         count = 1
         for d in dims:

@@ -17,6 +17,7 @@ from .._group import CPGroup
 from ..kernels import BlockKernel
 from .comm import GradSink, kv_blocks
 from .merge import accumulator_dtype, empty_partial, merge_
+from ..layout import rank_positions
 from .plan import ALL, step_segments
 
 Tensor = torch.Tensor
@@ -32,6 +33,16 @@ def _accumulate(acc: Optional[Tensor], rows: slice, part: Tensor, like: Tensor, 
     return acc
 
 
+def _segments(load_balance: str, causal: bool, group: CPGroup, src: int, c: int, valid_len: int):
+    """The plan's rectangles for block ``src``; ``valid_len`` >= 0 marks global positions
+    from ``valid_len`` on as padding (keys never attended)."""
+    valid = None
+    if valid_len >= 0:
+        pos = rank_positions(c * group.size, group.size, src, load_balance)
+        valid = int((pos < valid_len).sum())
+    return step_segments(load_balance, causal, group.size, group.rank, src, c, valid)
+
+
 def ring_forward(
     q: Tensor,
     k: Tensor,
@@ -43,6 +54,7 @@ def ring_forward(
     load_balance: str,
     rotate: str,
     kernel: BlockKernel,
+    valid_len: int = -1,
 ) -> Tuple[Tensor, Tensor]:
     """(out, lse) of this rank's queries over the whole sequence.
 
@@ -53,7 +65,7 @@ def ring_forward(
     acc_out: Optional[Tensor] = None  # (B, H, c, D) acc_dt
     acc_lse: Optional[Tensor] = None  # (B, H, c) acc_dt
     for _, src, k_src, v_src in kv_blocks(k, v, group, rotate):
-        for seg in step_segments(load_balance, causal, group.size, group.rank, src, c):
+        for seg in _segments(load_balance, causal, group, src, c, valid_len):
             out, lse = kernel.forward(q[:, :, seg.q], k_src[:, :, seg.k], v_src[:, :, seg.k], causal=seg.causal, scale=scale)
             if acc_out is None and seg.q == ALL:  # step 0 always covers every row
                 acc_out, acc_lse = out.to(acc_dt).contiguous(), lse.to(acc_dt).contiguous()
@@ -79,6 +91,7 @@ def ring_backward(
     load_balance: str,
     rotate: str,
     kernel: BlockKernel,
+    valid_len: int = -1,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this rank's shards, each in its input's dtype.
 
@@ -90,7 +103,7 @@ def ring_backward(
     for step, src, k_src, v_src in kv_blocks(k, v, group, rotate):
         dk_src: Optional[Tensor] = None  # this rank's share of block src's dK (B, H_kv, c, D)
         dv_src: Optional[Tensor] = None
-        for seg in step_segments(load_balance, causal, group.size, group.rank, src, c):
+        for seg in _segments(load_balance, causal, group, src, c, valid_len):
             dq_s, dk_s, dv_s = kernel.backward(
                 dout[:, :, seg.q], q[:, :, seg.q], k_src[:, :, seg.k], v_src[:, :, seg.k],
                 out[:, :, seg.q], lse[:, :, seg.q], causal=seg.causal, scale=scale,

@@ -28,15 +28,19 @@ def _run_options(group_name: str, kernel: str, q: Tensor) -> dict:
 @torch.library.custom_op("cp_compile::ring_attention_fwd", mutates_args=())
 def ring_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-    group_name: str, load_balance: str, rotate: str, kernel: str,
+    group_name: str, load_balance: str, rotate: str, kernel: str, valid_len: int = -1,
 ) -> Tuple[Tensor, Tensor]:
-    """Exact attention of local q over the CP group's whole K/V: (out, lse (B, H, c) fp32)."""
+    """Exact attention of local q over the CP group's whole K/V: (out, lse (B, H, c) fp32).
+
+    ``valid_len`` >= 0: global positions from there on are padding (never attended)."""
     opts = _run_options(group_name, kernel, q)
-    return ring_forward(q, k, v, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate, **opts)
+    return ring_forward(
+        q, k, v, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate, valid_len=valid_len, **opts
+    )
 
 
 @ring_attention_fwd.register_fake
-def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel):
+def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1):
     # The real op returns fresh contiguous tensors whatever the input strides.
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype)
@@ -45,21 +49,22 @@ def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel):
 @torch.library.custom_op("cp_compile::ring_attention_bwd", mutates_args=())
 def ring_attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-    scale: float, group_name: str, load_balance: str, rotate: str, kernel: str,
+    scale: float, group_name: str, load_balance: str, rotate: str, kernel: str, valid_len: int = -1,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries."""
     opts = _run_options(group_name, kernel, q)
     return ring_backward(
-        dout, q, k, v, out, lse, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate, **opts
+        dout, q, k, v, out, lse, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate,
+        valid_len=valid_len, **opts,
     )
 
 
 @ring_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, group_name, load_balance, rotate, kernel):
+def _(dout, q, k, v, out, lse, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, like the real op
 
 
-_OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "kernel")
+_OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "kernel", "valid_len")
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
@@ -75,9 +80,9 @@ def _backward(ctx: Any, dout: Tensor, _dlse: Any):
     o = ctx.options
     dq, dk, dv = ring_attention_bwd(
         dout.contiguous(), q, k, v, out, lse, o["causal"], o["scale"], o["group_name"],
-        o["load_balance"], o["rotate"], o["kernel"],
+        o["load_balance"], o["rotate"], o["kernel"], o.get("valid_len", -1),
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * len(_OPTION_NAMES)
 
 
 ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

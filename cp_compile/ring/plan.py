@@ -25,7 +25,7 @@ m <= j - 1 when s > r.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 ALL = slice(None)
 
@@ -45,11 +45,25 @@ def source_rank(rank: int, step: int, world_size: int) -> int:
 
 
 def step_segments(
-    load_balance: str, causal: bool, world_size: int, rank: int, src: int, local_len: int
+    load_balance: str,
+    causal: bool,
+    world_size: int,
+    rank: int,
+    src: int,
+    local_len: int,
+    valid_keys: Optional[int] = None,
 ) -> Tuple[Segment, ...]:
-    """The rectangles rank ``rank`` computes against the block of rank ``src`` (table above)."""
+    """The rectangles rank ``rank`` computes against the block of rank ``src`` (table above).
+
+    ``valid_keys``: how many of the block's keys are real tokens rather than padding
+    (a padded sequence puts its padding at the end, so the valid keys of every block
+    are a prefix). Only non-causal attention needs it: causally, padding at the end
+    is never visible to a real query.
+    """
     if not causal:
-        return (Segment(ALL, ALL, False),)
+        if valid_keys is None or valid_keys >= local_len:
+            return (Segment(ALL, ALL, False),)
+        return (Segment(ALL, slice(0, valid_keys), False),) if valid_keys > 0 else ()
     if src == rank:
         return (Segment(ALL, ALL, True),)
     lower = src < rank
