@@ -63,7 +63,7 @@ def _is_collective(node: fx.Node) -> bool:
 
 def _movable(node: fx.Node) -> bool:
     """Out-of-place collectives only: moving an in-place one past readers of its input is unsafe."""
-    return not node.target._schema.is_mutable
+    return not getattr(getattr(node.target, "_schema", None), "is_mutable", True)
 
 
 def _raise_collectives(nodes: List[fx.Node]) -> List[fx.Node]:

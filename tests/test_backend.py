@@ -263,3 +263,28 @@ def _padded_all_labels_valid(seq_len: int):
 def test_padding_rows_never_count_in_the_loss(ranks):
     for loss_err, grad_err in ranks.run(2, _padded_all_labels_valid, 62):
         assert loss_err <= TOL and grad_err <= TOL
+
+
+def _lengths(dynamic):
+    torch._dynamo.reset()
+    ref_model, _ = models.llama_factory()
+    cp_model, _ = models.llama_factory()
+    compiled = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), dynamic=dynamic)
+    errs = []
+    for seq_len in (32, 48, 20):
+        _, inputs = models.llama_factory(seq_len=seq_len, seed=seq_len)
+        try:
+            errs.append(_rel(compiled(*inputs).detach(), ref_model(*inputs).detach()))
+        except Exception as e:  # Dynamo wraps backend errors
+            return f"{type(e).__name__}: {e}"
+    return errs
+
+
+def test_new_sequence_lengths_recompile_exactly_with_dynamic_false(ranks):
+    for errs in ranks.run(2, _lengths, False):
+        assert isinstance(errs, list) and max(errs) <= TOL, errs
+
+
+def test_dynamic_shapes_are_refused_with_the_fix(ranks):
+    for msg in ranks.run(2, _lengths, True):
+        assert isinstance(msg, str) and "dynamic=False" in msg, msg
