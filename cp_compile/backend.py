@@ -95,6 +95,7 @@ class RingCP:
         choose_seq_inputs(gm, ctx, examples)
         if ctx.seq_inputs == "auto":
             resolve_candidates(ctx, lambda choice: _rewrites_cleanly(gm, ctx, examples, choice), gm)
+        log.debug("cp_compile: graph before the rewrite\n%s", gm.code)
         new_gm = rewrite_graph(gm, ctx, examples)
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)

@@ -41,7 +41,7 @@ class LlamaConfig:
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
-    gqa_mode: str = "enable_gqa"  # "enable_gqa" | "repeat_interleave"
+    gqa_mode: str = "enable_gqa"  # "enable_gqa" | "repeat_interleave" | "expand" (Hugging Face repeat_kv)
     rope_style: str = "arange_index"  # "arange_index" | "slice"
     norm_eps: float = 1e-5
     ignore_index: int = -100
@@ -97,6 +97,11 @@ class LlamaAttention(nn.Module):
             n_rep = self.cfg.n_heads // self.cfg.n_kv_heads
             k = k.repeat_interleave(n_rep, dim=1)  # (B, H, S, D)
             v = v.repeat_interleave(n_rep, dim=1)  # (B, H, S, D)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.cfg.gqa_mode == "expand":
+            n_rep, hkv = self.cfg.n_heads // self.cfg.n_kv_heads, self.cfg.n_kv_heads
+            k = k[:, :, None].expand(B, hkv, n_rep, S, self.head_dim).reshape(B, hkv * n_rep, S, self.head_dim)
+            v = v[:, :, None].expand(B, hkv, n_rep, S, self.head_dim).reshape(B, hkv * n_rep, S, self.head_dim)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             raise ValueError(f"unknown gqa_mode {self.cfg.gqa_mode!r}")

@@ -57,7 +57,7 @@ def _summary(backend) -> dict:
 CASES = [
     ("llama_factory", {}, {}),
     ("llama_factory", {"gqa_mode": "repeat_interleave", "rope_style": "slice", "tie_embeddings": True}, {}),
-    ("llama_factory", {}, {"load_balance": "striped"}),
+    ("llama_factory", {"gqa_mode": "expand"}, {"load_balance": "striped"}),
     ("llama_factory", {}, {"load_balance": "contiguous", "rotate": "allgather"}),
     ("gpt2_factory", {}, {}),
     ("encoder_factory", {}, {}),  # S == hidden size == 64: the sequence dim is found by trial
@@ -71,6 +71,22 @@ def test_model_loss_and_grads_match_single_device(ranks, factory, kw, options):
         assert loss_err <= TOL and grad_err <= TOL, (rank, loss_err, grad_err)
         assert fallbacks == 0 and summary["gather_seq"] == 0, (rank, summary)
         assert summary["ring_attention_fwd"] == 2, summary  # both layers' attention became the ring
+
+
+def _kv_heads_on_the_ring(gqa_mode: str):
+    torch._dynamo.reset()
+    model, inputs = models.llama_factory(gqa_mode=gqa_mode)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    return [n.args[1].meta["example_value"].shape[1] if "example_value" in n.args[1].meta else None
+            for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
+
+
+@pytest.mark.parametrize("gqa_mode", ["enable_gqa", "repeat_interleave", "expand"])
+def test_gqa_ships_only_the_kv_heads(ranks, gqa_mode):
+    """Whatever way the model repeats K/V heads, the ring carries H_kv = 2 heads, not H = 4."""
+    for heads in ranks.run(2, _kv_heads_on_the_ring, gqa_mode):
+        assert heads == [2, 2], heads
 
 
 def test_llama_on_four_ranks(ranks):

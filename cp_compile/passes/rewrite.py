@@ -161,6 +161,11 @@ def _output(em: Emitter, node: fx.Node) -> None:
         lay = em.layout(old)
         if isinstance(lay, Sharded) and ctx.outputs == "local":
             return em.env[old]
+        if isinstance(lay, Sharded):
+            shape, ex = global_shape(old), old.meta.get("example_value")
+            nbytes = ex.numel() * ex.element_size() if isinstance(ex, torch.Tensor) else 0
+            log.info("cp_compile: output %s %s is gathered to the full sequence (%.1f MiB per rank); "
+                     "if it crosses a graph break, fullgraph=True avoids this", old.name, tuple(shape), nbytes / 2**20)
         val = em.to_global(old) if isinstance(lay, Sharded) else em.env[old]
         if isinstance(lay, (Sharded, Global)) and isinstance(old.meta.get("example_value"), torch.Tensor) \
                 and old.meta["example_value"].dtype.is_floating_point:

@@ -17,13 +17,38 @@ from .find_attention import SDPA_TARGETS, sdpa_arg
 from .layouts import GLOBAL, Sharded
 
 
-def _unrepeated_kv(em, old: fx.Node) -> fx.Node:
-    """``k.repeat_interleave(g, dim=1)`` feeding attention: ship the H_kv heads, not the copies."""
-    if old.op == "call_method" and old.target == "repeat_interleave":
+def _kv_source(em, old: fx.Node):
+    """The un-repeated (B, H_kv, S, D) value behind a GQA head repeat feeding attention, or None.
+
+    Recognised: ``k.repeat_interleave(g, dim=1)`` and Hugging Face's
+    ``k[:, :, None].expand(B, H_kv, g, S, D).reshape(B, H_kv * g, S, D)``.
+    """
+    if old.op != "call_method":
+        return None
+    if old.target == "repeat_interleave":
         dim = old.args[2] if len(old.args) > 2 else old.kwargs.get("dim")
-        src = old.args[0]
-        if dim in (1, -3) and isinstance(em.layout(src), Sharded) and em.layout(src).dim == 2:
-            return src
+        return old.args[0] if dim in (1, -3) else None
+    if old.target not in ("reshape", "view"):
+        return None
+    exp = old.args[0]
+    if not (isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand"):
+        return None
+    ins = exp.args[0]
+    src = ins.args[0] if isinstance(ins, fx.Node) and ins.target in (operator.getitem, "unsqueeze") else None
+    shapes = [global_shape(n) if isinstance(n, fx.Node) else None for n in (src, ins, exp, old)]
+    if None in shapes or len(shapes[0]) != 4:
+        return None
+    (b, hkv, s, d), expanded = shapes[0], shapes[2]
+    if tuple(shapes[1]) != (b, hkv, 1, s, d) or tuple(expanded[:2]) != (b, hkv) or tuple(expanded[3:]) != (s, d):
+        return None
+    return src
+
+
+def _unrepeated_kv(em, old: fx.Node) -> fx.Node:
+    """Ship the H_kv heads around the ring, not their repeated copies."""
+    src = _kv_source(em, old)
+    if src is not None and isinstance(em.layout(src), Sharded) and em.layout(src).dim == 2:
+        return src
     return old
 
 
