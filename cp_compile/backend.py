@@ -85,7 +85,6 @@ class RingCP:
         ctx = RewriteContext(group=group, **{k: v for k, v in asdict(opts).items()
                                             if k in ("load_balance", "rotate", "kernel", "seq_inputs",
                                                      "outputs", "grad_sync", "strict")})
-        _refuse_dynamic_shapes(gm)
         find_attention(gm, ctx)
         if not ctx.attention:
             log.info("cp_compile: no attention in this graph: compiling it unchanged")
@@ -100,19 +99,6 @@ class RingCP:
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)
         return inner(new_gm, example_inputs)
-
-
-def _refuse_dynamic_shapes(gm: fx.GraphModule) -> None:
-    """Symbolic sizes are not rewritten yet: refuse them rather than guess."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("example_value")
-        sizes = val.shape if isinstance(val, torch.Tensor) else [val] if node.op == "placeholder" else []
-        if any(isinstance(d, torch.SymInt) for d in sizes):
-            raise CPRewriteError(
-                "cp_compile: this graph has symbolic (dynamic) shapes, which ring_cp does not rewrite yet. "
-                "Fix: torch.compile(model, backend='ring_cp', dynamic=False); each new sequence length then "
-                "compiles its own exact graph."
-            )
 
 
 def _rewrites_cleanly(gm: fx.GraphModule, ctx: RewriteContext, examples, choice: Dict[str, int]) -> bool:
