@@ -35,22 +35,7 @@ import torch.nn.functional as F
 import cp_compile
 from cp_compile.layout import rank_positions
 
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def peak_mib(fn: Callable[[], object]) -> float:
-    """Resident-memory high-water mark of running ``fn``, above the resident size before it (MiB)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current VmRSS
-    before = _status_kib("VmRSS")
-    fn()
-    return (_status_kib("VmHWM") - before) / 1024
+from _measure import mmap_threshold_env, peak_mib  # examples/_measure.py
 
 
 def _warm_up(attn: Callable, args) -> None:
@@ -146,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
     # Large blocks straight from mmap and back to the OS on free, so the resident
     # high-water mark follows live tensors rather than glibc's heap retention.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    mmap_threshold_env()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         print(f"single process: causal SDPA fwd+bwd, S={args.seq_len}, H={args.heads}, "
@@ -159,7 +144,7 @@ def main() -> None:
         mp.start_processes(ring_rank, args=(args, _free_port(), tmp), nprocs=args.world_size, start_method="spawn")
         ref = torch.load(os.path.join(tmp, "ref.pt"))
         shards = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(args.world_size)]
-    print(f"\nerror vs single-process SDPA (relative, norm-wise):")
+    print("\nerror vs single-process SDPA (relative, norm-wise):")
     for name in ("out", "dq", "dk", "dv"):
         err = _rel(_assemble(shards, name, args.seq_len, args.world_size), ref[name])
         print(f"  {name:4s} {err:.2e}")
