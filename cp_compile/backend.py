@@ -23,6 +23,7 @@ from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
 from .passes.rewrite import rewrite_graph
 from .passes.seq_inputs import choose_seq_inputs, resolve_candidates
+from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
 
@@ -98,7 +99,26 @@ class RingCP:
         new_gm = rewrite_graph(gm, ctx, examples)
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)
-        return inner(new_gm, example_inputs)
+        return _hand_off(opts.inner, inner, new_gm, example_inputs)
+
+
+def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> Callable:
+    """Compile the rewritten graph so gradient all-reduces overlap the rest of the backward.
+
+    Inductor: its own comm/compute reordering, passed as config_patches (the backward
+    is compiled later, at the first .backward(), so a config context would have
+    closed by then). aot_eager: the FX pass :func:`schedule_collectives` on both graphs.
+    """
+    if name == "inductor":
+        return inner(gm, example_inputs, config_patches=inductor_overlap_config())
+    if name == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+        def scheduled(g: fx.GraphModule, ex: List[torch.Tensor]) -> Callable:
+            return boxed_nop(schedule_collectives(g), ex)
+
+        return aot_eager(gm, example_inputs, fw_compiler=scheduled, bw_compiler=scheduled)
+    return inner(gm, example_inputs)
 
 
 def _rewrites_cleanly(gm: fx.GraphModule, ctx: RewriteContext, examples, choice: Dict[str, int]) -> bool:

@@ -8,7 +8,8 @@ of the backward graph followed at once by its ``wait_tensor``. Nothing overlaps.
 Two ways to fix the order, same idea (issue early, wait late):
 
 * with Inductor, :func:`inductor_overlap_config` is the ``torch._inductor.config``
-  patch that turns on Inductor's own compute/communication reordering (works on CPU);
+  patch that turns on Inductor's own compute/communication reordering (works on CPU;
+  pass it as ``config_patches=``, see there);
 * for aot_eager (or as a backstop), :func:`schedule_collectives` is a pure FX pass::
 
     before                                  after
@@ -21,16 +22,16 @@ Two ways to fix the order, same idea (issue early, wait late):
 Each collective is issued right after its last input (and after the collective before
 it: collectives keep their relative order, as in Inductor, so every rank issues them
 in the same order); each ``wait_tensor`` moves to just before the first node that reads
-the collective's result. Compute keeps its order. In-place collectives stay put.
+the collective's result. Compute keeps its order; nothing moves across an in-place op
+(in-place collectives included).
 """
 
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Dict, List, Set
 
-import torch
 import torch.fx as fx
 
 __all__ = ["inductor_overlap_config", "schedule_collectives"]
@@ -39,13 +40,27 @@ _NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional
 
 
 def inductor_overlap_config() -> Dict[str, Any]:
-    """``torch._inductor.config.patch(**inductor_overlap_config())``: Inductor's scheduler
-    raises each collective as early as its inputs allow (keeping collectives in order)
-    and sinks each wait to its first user. ``reorder_compute_for_overlap`` and the
-    runtime-estimate passes need GPU cost models; these two do not."""
+    """Inductor's compute/communication reordering, in a form that works on CPU (torch 2.13).
+
+    The passes run on Inductor's scheduler nodes: ``reorder_communication_preserving_peak_memory``
+    moves each collective earlier until a data dependency (or +20% peak memory) stops it,
+    ``sink_waits_iterative`` moves each wait later the same way. Without
+    ``config_comms.*_use_runtime_estimations`` (off by default) neither consults a runtime
+    estimate, so every rank, holding the same graph, makes the same decisions. The
+    legacy ``raise_comms`` / ``sink_waits`` / ``reorder_compute_for_overlap`` also run on
+    CPU but chain each collective after the previous wait (one all-reduce in flight);
+    ``aten_distributed_optimizations.enable_overlap_scheduling`` needs a GPU.
+
+    Pass it as ``compile_fx(gm, inputs, config_patches=...)``: a ``config.patch``
+    context around the call misses the backward, which is compiled lazily later.
+    """
     return {
         "reorder_for_compute_comm_overlap": True,
-        "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"],
+        "reorder_for_compute_comm_overlap_passes": [
+            "reorder_communication_preserving_peak_memory",
+            "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory",
+        ],
     }
 
 
@@ -61,22 +76,23 @@ def _is_collective(node: fx.Node) -> bool:
     return _namespace(node) in _NAMESPACES and not _is_wait(node)
 
 
-def _movable(node: fx.Node) -> bool:
-    """Out-of-place collectives only: moving an in-place one past readers of its input is unsafe."""
-    return not getattr(getattr(node.target, "_schema", None), "is_mutable", True)
+def _mutates(node: fx.Node) -> bool:
+    """In-place/out= ops (in-place collectives included): nothing moves across them."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
 
 
 def _raise_collectives(nodes: List[fx.Node]) -> List[fx.Node]:
-    """Emit each movable collective (and its getitems) as soon as its inputs and the previous collective are out."""
+    """Emit each out-of-place collective (with its getitems) once its inputs, the last placeholder
+    and the previous collective or mutating op are out; everything else keeps its order."""
     deps: Dict[fx.Node, Set[fx.Node]] = {}
-    placeholders = {n for n in nodes if n.op == "placeholder"}
-    prev = None
+    barrier = [n for n in nodes if n.op == "placeholder"][-1:]
     for n in nodes:
-        if _is_collective(n):
-            if _movable(n):
-                deps[n] = set(n.all_input_nodes) | placeholders | ({prev} if prev else set())
-            prev = n
-    queue = [n for n in nodes if n in deps]
+        if _is_collective(n) and not _mutates(n):
+            deps[n] = set(n.all_input_nodes) | set(barrier)
+        if _is_collective(n) or _mutates(n):
+            barrier = [n]
+    queue = deque(n for n in nodes if n in deps)
     out: List[fx.Node] = []
     done: Set[fx.Node] = set()
 
@@ -84,13 +100,10 @@ def _raise_collectives(nodes: List[fx.Node]) -> List[fx.Node]:
         out.append(n)
         done.add(n)
         while queue and deps[queue[0]] <= done:
-            issue = queue.pop(0)
-            out.append(issue)
-            done.add(issue)
-            for user in issue.users:  # multi-output collectives: their getitems go along
-                if user.op == "call_function" and user.target is operator.getitem:
-                    out.append(user)
-                    done.add(user)
+            issue = queue.popleft()
+            getitems = [u for u in issue.users if u.op == "call_function" and u.target is operator.getitem]
+            out.extend([issue, *getitems])
+            done.update([issue, *getitems])
 
     for n in nodes:
         if n not in done:
@@ -99,14 +112,14 @@ def _raise_collectives(nodes: List[fx.Node]) -> List[fx.Node]:
 
 
 def _sink_waits(nodes: List[fx.Node]) -> List[fx.Node]:
-    """Move each wait of a movable collective to just before the first reader of the collective's result."""
+    """Move each wait of an out-of-place collective to just before the first reader of its result."""
     index = {n: i for i, n in enumerate(nodes)}
     before: Dict[fx.Node, List[fx.Node]] = defaultdict(list)
     sunk: Set[fx.Node] = set()
     for w in nodes:
         src = w.args[0] if _is_wait(w) else None
         issue = src.args[0] if isinstance(src, fx.Node) and src.target is operator.getitem else src
-        if not (isinstance(issue, fx.Node) and _is_collective(issue) and _movable(issue)):
+        if not (isinstance(issue, fx.Node) and _is_collective(issue) and not _mutates(issue)):
             continue
         readers = set(w.users) | {u for u in src.users if u is not w}
         before[min(readers, key=index.__getitem__) if readers else nodes[-1]].append(w)
