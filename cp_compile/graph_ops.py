@@ -75,8 +75,7 @@ class _GatherSeq(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (order,) = ctx.saved_tensors
         g = grad.movedim(ctx.dim, 0)  # (S, ...); padding positions (S..S_pad) get zero gradient
-        if g.shape[0] < order.numel():
-            g = torch.cat([g, g.new_zeros((order.numel() - g.shape[0], *g.shape[1:]))])
+        g = torch.cat([g, g.new_zeros((order.numel() - g.shape[0], *g.shape[1:]))])
         rank_major = g.index_select(0, order).contiguous()  # (S_pad, ...)
         local = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(rank_major, "sum", ctx.world, ctx.group_name))
         return local.movedim(0, ctx.dim), None, None, None, None, None

@@ -285,22 +285,51 @@ def _lengths(dynamic):
     torch._dynamo.reset()
     ref_model, _ = models.llama_factory()
     cp_model, _ = models.llama_factory()
-    compiled = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), dynamic=dynamic)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    compiled = torch.compile(cp_model, backend=backend, dynamic=dynamic)
     errs = []
-    for seq_len in (32, 48, 20):
+    for seq_len in (32, 45, 21, 60):
         _, inputs = models.llama_factory(seq_len=seq_len, seed=seq_len)
         try:
             errs.append(_rel(compiled(*inputs).detach(), ref_model(*inputs).detach()))
         except Exception as e:  # Dynamo wraps backend errors
             return f"{type(e).__name__}: {e}"
-    return errs
+    return errs, len(backend.graphs)
 
 
-def test_new_sequence_lengths_recompile_exactly_with_dynamic_false(ranks):
-    for errs in ranks.run(2, _lengths, False):
-        assert isinstance(errs, list) and max(errs) <= TOL, errs
+@pytest.mark.parametrize("dynamic", [False, None, True], ids=["static", "automatic", "dynamic"])
+def test_changing_sequence_lengths_stay_exact(ranks, dynamic):
+    """Static: one graph per length. Automatic (the default): Dynamo makes S symbolic at the
+    second length. Dynamic: symbolic from the start. Of the lengths 32, 45, 21, 60, two need
+    padding at N=2 and two do not, so one symbolic graph must serve both kinds."""
+    for res in ranks.run(2, _lengths, dynamic):
+        assert isinstance(res, tuple), res
+        errs, n_graphs = res
+        assert max(errs) <= TOL, errs
+        if dynamic is False:
+            assert n_graphs == 4, n_graphs
+        else:  # a symbolic graph served several lengths, padded and unpadded
+            assert n_graphs <= 2, n_graphs
 
 
-def test_dynamic_shapes_are_refused_with_the_fix(ranks):
-    for msg in ranks.run(2, _lengths, True):
-        assert isinstance(msg, str) and "dynamic=False" in msg, msg
+def _compare_dynamic(factory: str, kw: dict):
+    torch._dynamo.reset()
+    ref_model, inputs = getattr(models, factory)(**kw)
+    cp_model, _ = getattr(models, factory)(**kw)
+    ref = ref_model(*inputs)
+    ref.backward()
+    out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), dynamic=True)(*inputs)
+    out.backward()
+    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    return _rel(out.detach(), ref.detach()), grad_err
+
+
+@pytest.mark.parametrize(
+    "factory,kw",
+    [("gpt2_factory", {"seq_len": 37}), ("encoder_factory", {"seq_len": 30}),
+     ("llama_factory", {"seq_len": 50, "shift_labels_inside": True, "gqa_mode": "expand"})],
+)
+def test_dynamic_shapes_on_other_models(ranks, factory, kw):
+    """Symbolic S through absolute positions, non-causal padding masks, a gathered label shift."""
+    for loss_err, grad_err in ranks.run(2, _compare_dynamic, factory, kw):
+        assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)

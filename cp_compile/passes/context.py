@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int
 
 from .._group import CPGroup
 from ..layout import rank_positions, split_multiple
@@ -33,10 +34,17 @@ def source_line(node: fx.Node) -> str:
     return f"{where}: {code}" if code else where
 
 
-def global_shape(node: fx.Node) -> Optional[torch.Size]:
-    """The global (single-device) shape of a tensor-valued node, from Dynamo's fake value."""
+def global_shape(node: fx.Node) -> Optional[Tuple[int, ...]]:
+    """The global (single-device) shape of a tensor-valued node, from Dynamo's fake value.
+
+    Symbolic sizes are replaced by their hints (the sizes of the example inputs): the
+    layout decisions made from shapes are structural, and sizes that must stay
+    symbolic are emitted from graph values (see seqindex.py).
+    """
     val = node.meta.get("example_value", node.meta.get("val"))
-    return val.shape if isinstance(val, torch.Tensor) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(d if isinstance(d, int) else hint_int(d) for d in val.shape)
 
 
 @dataclass
@@ -51,7 +59,8 @@ class RewriteContext:
     outputs: str = "full"
     grad_sync: str = "allreduce"
     strict: bool = False
-    seq_len: int = 0  # S, the attention sequence length (find_attention)
+    seq_len: int = 0  # S, the attention sequence length (find_attention); its hint if symbolic
+    seq_sym: Any = None  # the SymInt S under dynamic shapes, else None
     attention: List[fx.Node] = field(default_factory=list)
     shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
     shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates
@@ -69,7 +78,8 @@ class RewriteContext:
 
     @property
     def padded(self) -> bool:
-        return self.padded_len != self.seq_len
+        """Whether padding rows exist (always assumed under a symbolic S)."""
+        return self.seq_sym is not None or self.padded_len != self.seq_len
 
     @property
     def local_len(self) -> int:

@@ -40,14 +40,11 @@ def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
             "Fix: set attention dropout to 0 (or model.eval())."
         )
     shapes = [global_shape(sdpa_arg(node, i, n)) for i, n in enumerate(("query", "key", "value"))]
+    seq = sdpa_arg(node, 0, "query").meta["example_value"].shape[2]
+    if isinstance(seq, torch.SymInt):
+        ctx.seq_sym = seq
     if any(s is None or len(s) != 4 for s in shapes):
         raise CPRewriteError(f"cp_compile: scaled_dot_product_attention at {where} must take 4-D (B, H, S, D) q/k/v.")
-    if any(isinstance(s[2], torch.SymInt) for s in shapes):
-        raise CPRewriteError(
-            f"cp_compile: the attention at {where} has a symbolic (dynamic) sequence length, which ring_cp "
-            "does not rewrite yet. Fix: torch.compile(model, backend='ring_cp', dynamic=False); each new "
-            "sequence length then compiles its own exact graph."
-        )
     lens = {s[2] for s in shapes}
     if len(lens) != 1:
         raise CPRewriteError(

@@ -25,12 +25,13 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape, log
 from .layouts import GLOBAL, Global, Layout, Sharded
 from .seq_inputs import is_parameter_like
+from .seqindex import SeqIndex
 
 
 class Emitter:
@@ -43,10 +44,12 @@ class Emitter:
         self.layouts: Dict[fx.Node, Any] = {}  # old node -> Layout, tuple of layouts, or None
         self._memo: Dict[Tuple[fx.Node, int, int], fx.Node] = {}
         self._consts: Dict[str, fx.Node] = {}
+        self.index = SeqIndex(self)
 
     # -- reading the old graph ------------------------------------------------
     def value(self, arg: Any) -> Any:
-        return tree_map(lambda a: self.env[a] if isinstance(a, fx.Node) else a, arg)
+        """``arg`` with old nodes replaced by their new values (inside tuples, lists, dicts, slices)."""
+        return fx.node.map_aggregate(arg, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
 
     def layout(self, arg: Any) -> Optional[Layout]:
         return self.layouts.get(arg) if isinstance(arg, fx.Node) else None
@@ -73,37 +76,29 @@ class Emitter:
             self._consts[name] = self.graph.get_attr(name)
         return self._consts[name]
 
-    def _local_index(self, size: int, inner: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(indices, valid) of this rank's entries along a dim of global ``size`` = outer * S * inner.
+    def seq_node(self) -> fx.Node:
+        """The new graph's value of a symbolic S (the SymInt placeholder Dynamo made for it)."""
+        sym = self.ctx.seq_sym
+        for old, new in self.env.items():
+            val = old.meta.get("example_value")
+            if old.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr == sym.node.expr:
+                return new
+        raise CPRewriteError(
+            f"cp_compile: the dynamic sequence length {sym} is not a graph input. "
+            "Fix: torch.compile(model, backend='ring_cp', dynamic=False)."
+        )
 
-        Padding positions (>= S) read the last real token (finite values, never
-        attended, masked out of reductions); ``valid`` marks the real ones.
-        """
-        s, pos = self.ctx.seq_len, self.ctx.positions()
-        outer = size // (s * inner)
-        grid = lambda p: (torch.arange(outer)[:, None, None] * (s * inner) + p[None, :, None] * inner  # noqa: E731
-                          + torch.arange(inner)[None, None, :]).reshape(-1)
-        valid = (pos < s)[None, :, None].expand(outer, -1, inner).reshape(-1)
-        return grid(pos.clamp(max=s - 1)), valid
-
-    def shard_index(self, size: int, inner: int) -> fx.Node:
-        return self.const(f"_cp_index_{size}_{inner}", self._local_index(size, inner)[0])
-
-    def valid_mask(self, old: fx.Node, dim: int, inner: int) -> Optional[fx.Node]:
-        """Bool mask broadcastable to the local value of ``old``: False at padding rows (None if unpadded)."""
-        if not self.ctx.padded:
-            return None
+    def valid_mask(self, old: fx.Node, local: fx.Node, dim: int, inner: int) -> Optional[fx.Node]:
+        """Bool mask broadcastable to ``local`` (old's sharded value): False at padding rows, or None."""
         shape = global_shape(old)
-        valid = self._local_index(shape[dim], inner)[1]
-        view = [valid.numel() if d == dim else 1 for d in range(len(shape))]
-        return self.const(f"_cp_valid_{shape[dim]}_{inner}_{dim}_{len(shape)}", valid.reshape(view))
+        return self.index.valid(local, len(shape), dim, inner, shape[dim])
 
     def to_sharded(self, old: fx.Node, dim: int, inner: int = 1) -> fx.Node:
         """A Global value indexed by this rank's positions along ``dim`` (memoised)."""
         key = (old, dim, inner)
         if key not in self._memo:
-            size = global_shape(old)[dim]
-            self._memo[key] = self.method("index_select", self.env[old], dim, self.shard_index(size, inner))
+            size = global_shape(old)[dim] if self.ctx.seq_sym is None else self.method("size", self.env[old], dim)
+            self._memo[key] = self.method("index_select", self.env[old], dim, self.index.index(size, inner))
         return self._memo[key]
 
     def to_global(self, old: fx.Node) -> fx.Node:
@@ -116,20 +111,18 @@ class Emitter:
                 f"cp_compile: cannot gather {old.name} (sequence merged into dim {lay.dim} of "
                 f"{tuple(global_shape(old))}). Fix: report this model pattern; strict=False cannot help here."
             )
-        order = self.ctx.order()
-        inverse = torch.argsort(order)[: self.ctx.seq_len]  # drops the padding positions
-        return self.call(
-            graph_ops.gather_seq, self.env[old], lay.dim, self.const("_cp_order", order),
-            self.const("_cp_inverse", inverse), self.ctx.world, self.ctx.group.name,
-        )
+        order, inverse = self.index.order_inverse()  # inverse drops the padding positions
+        return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
+                         self.ctx.group.name)
 
     def fallback(self, node: fx.Node, why: str) -> Any:
         """Gather every Sharded input of ``node`` and run it on full sequences (Global)."""
         self.ctx.fallback(node, why)
         gathered = {a: self.to_global(a) for a in tree_flatten((node.args, node.kwargs))[0]
                     if isinstance(self.layout(a), Sharded)}
-        args, kwargs = tree_map(lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a,
-                                (node.args, node.kwargs))
+        args, kwargs = fx.node.map_aggregate(
+            (node.args, node.kwargs), lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a
+        )
         return self.copy(node, args, kwargs), GLOBAL
 
 

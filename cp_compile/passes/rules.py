@@ -120,12 +120,12 @@ def view(em: Emitter, node: fx.Node):
     if sizes:  # a shape baked in for the full sequence: make exactly the sequence dim local
         sizes = list(sizes)
         if sizes[out.dim] != -1:
-            sizes[out.dim] = em.ctx.local_size(sizes[out.dim])
+            sizes[out.dim] = em.index.local_size(sizes[out.dim])
         args = [args[0], tuple(sizes)] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) \
             else [args[0], *sizes]
     kwargs = dict(em.value(node.kwargs))
     if "shape" in kwargs and kwargs["shape"][out.dim] != -1:
-        kwargs["shape"] = tuple(em.ctx.local_size(v) if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
+        kwargs["shape"] = tuple(em.index.local_size(v) if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
     return em.copy(node, tuple(args), kwargs), out
 
 
@@ -159,9 +159,10 @@ def permute(em: Emitter, node: fx.Node):
 def expand(em: Emitter, node: fx.Node):
     s, x = _sharded(em, node.args[0]), node.args[0]
     out_dim = s.dim + _ndim(node) - _ndim(x)
-    sizes = list(node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:])
+    args = em.value(node.args)
+    sizes = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
     if sizes[out_dim] != -1:
-        sizes[out_dim] = em.ctx.local_size(sizes[out_dim])
+        sizes[out_dim] = em.index.local_size(sizes[out_dim])
     return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner)
 
 
@@ -210,11 +211,11 @@ def getitem(em: Emitter, node: fx.Node):
             continue
         if in_dim == s.dim:
             if i == slice(None):
-                return em.copy(node, (em.env[x], node.args[1]), {}), Sharded(out_dim, s.inner)
+                return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim, s.inner)
             return em.fallback(node, f"slicing the sequence dim with {i!r}")
         out_dim += 0 if isinstance(i, int) else 1
         in_dim += 1
-    return em.copy(node, (em.env[x], node.args[1]), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
+    return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
 
 
 def reduction(em: Emitter, node: fx.Node):
@@ -227,14 +228,15 @@ def reduction(em: Emitter, node: fx.Node):
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim - shift, s.inner)
     if name not in ("sum", "mean") or len(node.args) > 3 or set(node.kwargs) - {"dim", "keepdim"}:
         return em.fallback(node, f"{name} over the sequence dim")
-    mask = em.valid_mask(x, s.dim, s.inner)
+    mask = em.valid_mask(x, em.env[x], s.dim, s.inner)
     local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], 0.0)  # padding adds nothing
     total = em.method("sum", local, dims, keep)
-    if name == "mean":
-        count = 1
+    if name == "mean":  # / global count: the other reduced dims' sizes times S
+        count = em.index.S()
         for d in dims:
-            count *= global_shape(x)[d]
-        total = em.call(operator.mul, total, 1.0 / count)
+            if d != s.dim:
+                count = em.index.op(operator.mul, count, em.method("size", em.env[x], d))
+        total = em.call(operator.truediv, total, count)
     from .. import graph_ops
 
     return em.call(graph_ops.all_reduce_sum, total, em.ctx.group.name), GLOBAL
@@ -247,9 +249,9 @@ def _flat_args(node: fx.Node) -> list:
 
 
 def _map(em: Emitter, node: fx.Node, converted: Dict[fx.Node, Any]):
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda a: converted.get(a, em.env[a]) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    return fx.node.map_aggregate(
+        (node.args, node.kwargs), lambda a: converted.get(a, em.env[a]) if isinstance(a, fx.Node) else a
+    )
 
 
 def _name(node: fx.Node) -> str:

@@ -77,7 +77,7 @@ def sdpa(em, node: fx.Node):
     ctx = em.ctx
     out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
                   _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), causal, float(scale),
-                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, ctx.seq_len if ctx.padded else -1)
+                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len())
     return em.call(operator.getitem, out, 0), Sharded(2)
 
 
@@ -116,7 +116,7 @@ def class_loss(em, node: fx.Node):
     new_tgt = em.env[tgt] if isinstance(t_lay, Sharded) else em.to_sharded(tgt, td, s.inner)
     kwargs = {k: em.value(v) for k, v in a.items() if k not in ("input", "target", "size_average", "reduce")}
     reduction = kwargs.pop("reduction")
-    mask = em.valid_mask(tgt, td, s.inner)
+    mask = em.valid_mask(tgt, new_tgt, td, s.inner)
     if mask is not None:  # padding rows count as ignored targets
         new_tgt = em.call(torch.where, mask, new_tgt, kwargs["ignore_index"])
     local = em.call(node.target, em.env[inp], new_tgt, **kwargs, reduction="none" if reduction == "none" else "sum")
@@ -151,12 +151,14 @@ def elementwise_loss(em, node: fx.Node):
     if reduction == "none":
         return local, s
     ref = inp if isinstance(em.layout(inp), Sharded) else tgt
-    mask = em.valid_mask(ref, s.dim, s.inner)
+    mask = em.valid_mask(ref, local, s.dim, s.inner)
     if mask is not None:
         local = em.call(torch.where, mask, local, 0.0)
+    if reduction == "mean":  # / global element count = local count / c * S
+        count = em.index.op(operator.mul, em.index.op(operator.floordiv, em.method("numel", local), em.index.c()),
+                            em.index.S())
+        return _global_sum(em, em.call(operator.truediv, em.method("sum", local), count)), GLOBAL
     local = em.method("sum", local)
-    if reduction == "mean":
-        local = em.call(operator.mul, local, 1.0 / math.prod(global_shape(inp)))
     return _global_sum(em, local), GLOBAL
 
 
