@@ -22,6 +22,7 @@ from .config import LOAD_BALANCES, ROTATES, check_choice
 from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
 from .passes.rewrite import rewrite_graph
+from .passes.repropagate import repropagate
 from .passes.seq_inputs import choose_seq_inputs, resolve_candidates
 from .schedule import inductor_overlap_config, schedule_collectives
 
@@ -97,6 +98,7 @@ class RingCP:
             resolve_candidates(ctx, lambda choice: _rewrites_cleanly(gm, ctx, examples, choice), gm)
         log.debug("cp_compile: graph before the rewrite\n%s", gm.code)
         new_gm = rewrite_graph(gm, ctx, examples)
+        repropagate(new_gm, [n.meta.get("example_value") for n in placeholders])
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)
         return _hand_off(opts.inner, inner, new_gm, example_inputs)

@@ -333,3 +333,20 @@ def test_dynamic_shapes_on_other_models(ranks, factory, kw):
     """Symbolic S through absolute positions, non-causal padding masks, a gathered label shift."""
     for loss_err, grad_err in ranks.run(2, _compare_dynamic, factory, kw):
         assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
+
+
+def _meta_shapes():
+    torch._dynamo.reset()
+    model, inputs = models.llama_factory(seq_len=50)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    (gm,) = backend.graphs
+    ring = [n for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    q = ring[0].args[0]
+    return tuple(q.meta["val"].shape), tuple(q.meta["cp_global_val"].shape)
+
+
+def test_rewritten_graph_metadata_holds_local_and_global_shapes(ranks):
+    """S=50 pads to 52 on 2 ranks: each holds 26 tokens; q is (B, H, 26, D) locally, (B, H, 50, D) globally."""
+    for local, global_ in ranks.run(2, _meta_shapes):
+        assert local == (2, 4, 26, 16) and global_ == (2, 4, 50, 16)
