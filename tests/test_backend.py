@@ -350,3 +350,41 @@ def test_rewritten_graph_metadata_holds_local_and_global_shapes(ranks):
     """S=50 pads to 52 on 2 ranks: each holds 26 tokens; q is (B, H, 26, D) locally, (B, H, 50, D) globally."""
     for local, global_ in ranks.run(2, _meta_shapes):
         assert local == (2, 4, 26, 16) and global_ == (2, 4, 50, 16)
+
+
+def test_backend_name_resolves_without_importing_cp_compile():
+    """The torch_dynamo_backends entry point: a fresh interpreter that never imports cp_compile."""
+    import subprocess
+
+    code = ("import torch, sys; f = torch.compile(lambda x: x * 2, backend='ring_cp', options={'inner': 'eager'}); "
+            "assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0)); "
+            "assert 'cp_compile' in sys.modules, 'backend not loaded through the entry point'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _count_ring_exchanges():
+    from unittest import mock
+
+    from cp_compile.ring import comm
+
+    torch._dynamo.reset()
+    model, inputs = models.llama_factory()
+    compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)
+    compiled(*inputs).backward()  # compile outside the count
+    real = comm._ring_exchange
+    with mock.patch.object(comm, "_ring_exchange", side_effect=real) as spy:
+        compiled(*inputs).backward()
+    return [call.args[3] for call in spy.call_args_list]  # the tags: K/V hops vs dK/dV hops
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_step_issues_exactly_the_expected_ring_transfers(ranks, world):
+    """Per attention layer: N-1 K/V hops forward, N-1 K/V hops + N dK/dV hops backward."""
+    from cp_compile.ring.comm import GRAD_TAG, KV_TAG
+
+    for tags in ranks.run(world, _count_ring_exchanges):
+        layers = 2
+        assert tags.count(KV_TAG) == layers * 2 * (world - 1), tags
+        assert tags.count(GRAD_TAG) == layers * world, tags
+        assert len(tags) == layers * (3 * world - 2)
