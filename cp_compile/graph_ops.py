@@ -51,6 +51,21 @@ class _GradAllReduce(torch.autograd.Function):
         return _all_reduce(grad, ctx.group_name), None
 
 
+class _GradAllReduceBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group_name: str, *xs: Tensor):
+        ctx.group_name = group_name
+        ctx.shapes = [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for the whole bucket
+        summed = _all_reduce(flat, ctx.group_name)
+        sizes = [g.numel() for g in grads]
+        return (None, *(part.view(shape) for part, shape in zip(summed.split(sizes), ctx.shapes)))
+
+
 class _GradScale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: float) -> Tensor:
@@ -89,6 +104,11 @@ def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
 def grad_all_reduce(x: Tensor, group_name: str) -> Tensor:
     """Identity forward; backward sums the gradient shares over the CP group (parameters)."""
     return _GradAllReduce.apply(x, group_name)
+
+
+def grad_all_reduce_bucket(xs: list, group_name: str) -> tuple:
+    """``grad_all_reduce`` for several small tensors at once: one flat all-reduce in the backward."""
+    return _GradAllReduceBucket.apply(group_name, *xs)
 
 
 def grad_scale(x: Tensor, scale: float) -> Tensor:

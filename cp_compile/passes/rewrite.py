@@ -21,7 +21,7 @@ inputs are the new values.
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -32,6 +32,9 @@ from .context import CPRewriteError, RewriteContext, global_shape, log
 from .layouts import GLOBAL, Global, Layout, Sharded
 from .seq_inputs import is_parameter_like
 from .seqindex import SeqIndex
+
+
+BUCKET_BYTES = 1 << 20  # 1-D parameters share one gradient all-reduce up to this size
 
 
 class Emitter:
@@ -45,6 +48,7 @@ class Emitter:
         self._memo: Dict[Tuple[fx.Node, int, int], fx.Node] = {}
         self._consts: Dict[str, fx.Node] = {}
         self.index = SeqIndex(self)
+        self.inputs: List[fx.Node] = []  # placeholders awaiting _finish_inputs
 
     # -- reading the old graph ------------------------------------------------
     def value(self, arg: Any) -> Any:
@@ -127,22 +131,54 @@ class Emitter:
 
 
 def _placeholder(em: Emitter, node: fx.Node) -> None:
-    """Graph inputs are Global; sequence inputs are then indexed by this rank's positions.
+    """Copy a graph input; what it needs (gradient sync, sharding) waits for :func:`_finish_inputs`."""
+    em.env[node], em.layouts[node] = em.copy(node, (), {}), GLOBAL
+    em.inputs.append(node)
 
-    An input that needs a gradient gets ``grad_all_reduce`` first: its per-rank
-    gradient is a share (local positions only, or a replicated use), and the caller
-    (an optimizer, or eager code before a graph break) needs the full gradient.
-    Parameters skip it under ``grad_sync="none"`` (DDP/FSDP sums them).
+
+def _finish_inputs(em: Emitter) -> None:
+    """After the last placeholder: gradient sync of the inputs, then sharding of sequence inputs.
+
+    An input that needs a gradient gets ``grad_all_reduce``: its per-rank gradient is
+    a share (local positions only, or a replicated use), and the caller (an
+    optimizer, or eager code before a graph break) needs the full gradient.
+    Parameters skip it under ``grad_sync="none"`` (DDP/FSDP sums them). 1-D
+    parameters (norm scales, biases) share one flat all-reduce per bucket. Buckets
+    are emitted first: autograd runs later-created nodes first, so the per-matrix
+    all-reduces fire as their gradients appear and the buckets at the very end.
     """
-    ctx, example = em.ctx, em.examples.get(node.name)
-    new = em.copy(node, (), {})
-    needs_grad = isinstance(example, torch.Tensor) and example.requires_grad
-    if needs_grad and (not is_parameter_like(node, example) or ctx.grad_sync == "allreduce"):
-        new = em.call(graph_ops.grad_all_reduce, new, ctx.group.name)
-    em.env[node], em.layouts[node] = new, GLOBAL
-    if node.name in ctx.shard_inputs:
-        dim = ctx.shard_inputs[node.name]
-        em.env[node], em.layouts[node] = em.to_sharded(node, dim), Sharded(dim)
+    ctx, synced, bucket = em.ctx, [], []
+    for node in em.inputs:
+        example = em.examples.get(node.name)
+        if not (isinstance(example, torch.Tensor) and example.requires_grad):
+            continue
+        is_param = is_parameter_like(node, example)
+        if is_param and ctx.grad_sync == "allreduce" and example.dim() <= 1:
+            bucket.append(node)
+        elif not is_param or ctx.grad_sync == "allreduce":
+            synced.append(node)
+    for chunk in _chunks(bucket, lambda n: n.meta["example_value"].numel() * 4):
+        outs = em.call(graph_ops.grad_all_reduce_bucket, [em.env[n] for n in chunk], ctx.group.name)
+        for i, n in enumerate(chunk):
+            em.env[n] = em.call(operator.getitem, outs, i)
+    for n in synced:
+        em.env[n] = em.call(graph_ops.grad_all_reduce, em.env[n], ctx.group.name)
+    for n in em.inputs:
+        if n.name in ctx.shard_inputs:
+            dim = ctx.shard_inputs[n.name]
+            em.env[n], em.layouts[n] = em.to_sharded(n, dim), Sharded(dim)
+    em.inputs = []
+
+
+def _chunks(items: List[fx.Node], nbytes) -> List[List[fx.Node]]:
+    """Consecutive groups of at most BUCKET_BYTES (a larger item stands alone)."""
+    out: List[List[fx.Node]] = []
+    for item in items:
+        if out and sum(map(nbytes, out[-1])) + nbytes(item) <= BUCKET_BYTES:
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
 
 
 def _output(em: Emitter, node: fx.Node) -> None:
@@ -195,7 +231,10 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             _placeholder(em, node)
-        elif node.op == "output":
+            continue
+        if em.inputs:
+            _finish_inputs(em)  # all placeholders come first
+        if node.op == "output":
             _output(em, node)
         elif node.op == "get_attr":
             em.env[node], em.layouts[node] = em.copy(node, (), {}), GLOBAL
