@@ -49,7 +49,7 @@ class BackendOptions:
     def __post_init__(self) -> None:
         check_choice("load_balance", self.load_balance, LOAD_BALANCES)
         check_choice("rotate", self.rotate, ROTATES)
-        check_choice("inputs", self.inputs, ("full",))
+        check_choice("inputs", self.inputs, ("full", "local"))
         check_choice("outputs", self.outputs, ("full", "local"))
         check_choice("grad_sync", self.grad_sync, ("allreduce", "none"))
         check_choice("inner", self.inner, INNER)
@@ -86,7 +86,7 @@ class RingCP:
             return inner(gm, example_inputs)
         ctx = RewriteContext(group=group, **{k: v for k, v in asdict(opts).items()
                                             if k in ("load_balance", "rotate", "kernel", "seq_inputs",
-                                                     "outputs", "grad_sync", "strict")})
+                                                     "inputs", "outputs", "grad_sync", "strict")})
         find_attention(gm, ctx)
         if not ctx.attention:
             log.info("cp_compile: no attention in this graph: compiling it unchanged")

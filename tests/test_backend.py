@@ -389,3 +389,31 @@ def test_step_issues_exactly_the_expected_ring_transfers(ranks, world):
         assert tags.count(KV_TAG) == layers * 2 * (world - 1), tags
         assert tags.count(GRAD_TAG) == layers * world, tags
         assert len(tags) == layers * (3 * world - 2)
+
+
+def _local_inputs(dynamic):
+    """Every rank passes only its own shard of the batch (a data loader that calls cp_compile.shard)."""
+    torch._dynamo.reset()
+    ref_model, (ids, labels) = models.llama_factory()
+    cp_model, _ = models.llama_factory()
+    ref = ref_model(ids, labels)
+    ref.backward()
+    backend = cp_compile.RingCP(inner="aot_eager", inputs="local")
+    try:
+        out = torch.compile(cp_model, backend=backend, dynamic=dynamic)(cp_compile.shard(ids, 1), cp_compile.shard(labels, 1))
+    except Exception as e:  # Dynamo wraps backend errors
+        return f"{type(e).__name__}: {e}"
+    out.backward()
+    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    return _rel(out.detach(), ref.detach()), grad_err
+
+
+def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
+    for res in ranks.run(2, _local_inputs, True):
+        assert isinstance(res, tuple), res
+        assert res[0] <= TOL and res[1] <= TOL, res
+
+
+def test_local_inputs_with_static_shapes_name_the_fix(ranks):
+    for msg in ranks.run(2, _local_inputs, False):
+        assert isinstance(msg, str) and "dynamic=True" in msg and "inputs='local'" in msg, msg

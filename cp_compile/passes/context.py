@@ -56,6 +56,7 @@ class RewriteContext:
     rotate: str = "p2p"
     kernel: str = "auto"
     seq_inputs: Any = "auto"
+    inputs: str = "full"  # "local": sequence inputs arrive already sharded (cp_compile.shard)
     outputs: str = "full"
     grad_sync: str = "allreduce"
     strict: bool = False

@@ -65,5 +65,11 @@ def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         )
     if lens:
         ctx.seq_len = lens.pop()
+    if ctx.attention and ctx.inputs == "local" and ctx.seq_sym is None:
+        raise CPRewriteError(
+            "cp_compile: inputs='local' needs the sequence length symbolic: the traced graph only knows the "
+            "local length, and which of its constants mean 'the whole sequence' cannot be guessed. "
+            "Fix: torch.compile(..., dynamic=True) with inputs='local', or pass full batches (inputs='full')."
+        )
     log.info("cp_compile: %d attention node(s), sequence length %d", len(ctx.attention), ctx.seq_len)
     return gm

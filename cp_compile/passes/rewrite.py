@@ -82,11 +82,14 @@ class Emitter:
 
     def seq_node(self) -> fx.Node:
         """The new graph's value of a symbolic S (the SymInt placeholder Dynamo made for it)."""
+        return self.env[self.seq_placeholder()]
+
+    def seq_placeholder(self) -> fx.Node:
         sym = self.ctx.seq_sym
-        for old, new in self.env.items():
+        for old in self.env:
             val = old.meta.get("example_value")
             if old.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr == sym.node.expr:
-                return new
+                return old
         raise CPRewriteError(
             f"cp_compile: the dynamic sequence length {sym} is not a graph input. "
             "Fix: torch.compile(model, backend='ring_cp', dynamic=False)."
@@ -148,10 +151,15 @@ def _finish_inputs(em: Emitter) -> None:
     all-reduces fire as their gradients appear and the buckets at the very end.
     """
     ctx, synced, bucket = em.ctx, [], []
+    local = ctx.inputs == "local"
+    if local:  # the traced length is this rank's c: the whole sequence is N * c
+        em.env[em.seq_placeholder()] = em.call(operator.mul, em.env[em.seq_placeholder()], ctx.world)
     for node in em.inputs:
         example = em.examples.get(node.name)
         if not (isinstance(example, torch.Tensor) and example.requires_grad):
             continue
+        if local and node.name in ctx.shard_inputs:
+            continue  # a local shard's gradient is already complete on its rank
         is_param = is_parameter_like(node, example)
         if is_param and ctx.grad_sync == "allreduce" and example.dim() <= 1:
             bucket.append(node)
@@ -166,7 +174,8 @@ def _finish_inputs(em: Emitter) -> None:
     for n in em.inputs:
         if n.name in ctx.shard_inputs:
             dim = ctx.shard_inputs[n.name]
-            em.env[n], em.layouts[n] = em.to_sharded(n, dim), Sharded(dim)
+            em.env[n] = em.env[n] if local else em.to_sharded(n, dim)
+            em.layouts[n] = Sharded(dim)
     em.inputs = []
 
 

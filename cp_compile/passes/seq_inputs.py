@@ -71,7 +71,8 @@ def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[st
     feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv)) if qkv else set()
     for n in placeholders:
         shape = global_shape(n)
-        if n not in feeds or shape is None or is_parameter_like(n, examples.get(n.name)):
+        reaches = n in feeds or ctx.inputs == "local"  # local: every per-token input is already a shard
+        if not reaches or shape is None or is_parameter_like(n, examples.get(n.name)):
             continue
         dims = [d for d, size in enumerate(shape) if size == ctx.seq_len]
         if dims:
