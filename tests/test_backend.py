@@ -417,3 +417,35 @@ def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
 def test_local_inputs_with_static_shapes_name_the_fix(ranks):
     for msg in ranks.run(2, _local_inputs, False):
         assert isinstance(msg, str) and "dynamic=True" in msg and "inputs='local'" in msg, msg
+
+
+class _DropoutOnPositions(torch.nn.Module):
+    """Dropout on a whole-sequence value (the position table): every rank would draw its own mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe = torch.nn.Embedding(64, 16)
+
+    def forward(self, x):  # x: (B, H, S, D)
+        pe = torch.nn.functional.dropout(self.wpe(torch.arange(x.shape[2])), 0.1, self.training)  # (S, D)
+        q = x + pe
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+
+
+def _random_global(training: bool):
+    torch._dynamo.reset()
+    torch.manual_seed(0)  # the same weights on every rank, as CP requires
+    model = _DropoutOnPositions().train(training)
+    x = torch.randn(2, 2, 32, 16, generator=torch.Generator().manual_seed(0))  # same full batch on every rank
+    try:
+        out = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)(x)
+    except Exception as e:  # Dynamo wraps backend errors
+        return f"{type(e).__name__}: {e}"
+    return _rel(out.detach(), model(x).detach())
+
+
+def test_random_ops_on_whole_sequence_values_are_refused(ranks):
+    for msg in ranks.run(2, _random_global, True):
+        assert isinstance(msg, str) and "dropout" in msg and "test_backend.py" in msg and "eval mode" in msg, msg
+    for err in ranks.run(2, _random_global, False):  # eval mode: dropout is the identity, fine
+        assert isinstance(err, float) and err <= TOL, err

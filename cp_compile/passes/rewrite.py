@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
-from .context import CPRewriteError, RewriteContext, global_shape, log
+from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from .layouts import GLOBAL, Global, Layout, Sharded
 from .seq_inputs import is_parameter_like
 from .seqindex import SeqIndex
@@ -233,6 +233,26 @@ def _tuple_getitem(em: Emitter, node: fx.Node) -> bool:
     return False
 
 
+RANDOM_OPS = {torch.rand, torch.randn, torch.randint, torch.bernoulli, torch.rand_like, torch.randn_like,
+              torch.nn.functional.dropout, torch.dropout}
+
+
+def _refuse_random_global(node: fx.Node) -> None:
+    """A random op on a value every rank holds whole would draw different numbers per rank."""
+    if node.op != "call_function" or node.target not in RANDOM_OPS:
+        return
+    if node.target in (torch.nn.functional.dropout, torch.dropout):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+        if p == 0 or not training:
+            return
+    raise CPRewriteError(
+        f"cp_compile: {getattr(node.target, '__name__', node.target)} at {source_line(node)} draws random numbers "
+        "for a value that is not split by sequence, so every rank would draw different ones. Fix: apply it to "
+        "per-token activations, set its probability to 0, or run the model in eval mode."
+    )
+
+
 def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
     from .rules import apply_rule  # the table imports Emitter's helpers
 
@@ -250,6 +270,7 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
         elif _tuple_getitem(em, node):
             continue
         elif not em.sharded_inputs(node):
+            _refuse_random_global(node)
             em.env[node] = em.copy(node, *em.value((node.args, node.kwargs)))
             em.layouts[node] = GLOBAL
         else:
