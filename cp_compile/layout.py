@@ -106,4 +106,4 @@ def unshard(x_local: torch.Tensor, dim: int, *, group: Any = None, load_balance:
     seq_len = x_local.shape[dim] * g.size
     order = torch.cat([rank_positions(seq_len, g.size, r, load_balance) for r in range(g.size)])
     inverse = torch.argsort(order).to(x_local.device)
-    return gathered.index_select(0, inverse).movedim(0, dim)
+    return gathered.index_select(0, inverse).movedim(0, dim).contiguous()  # like the full tensor it stands for

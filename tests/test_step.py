@@ -1,0 +1,82 @@
+"""@cp_compile.context_parallel: decorated training steps track single-process steps.
+
+Each rank also runs the undecorated step on the full batch (the single-device
+reference, identical on every rank) with its own copy of the model and optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import models  # noqa: E402
+
+import cp_compile  # noqa: E402
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def plain_step(model, optimizer, input_ids, labels):
+    loss = model(input_ids, labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+class Trainer:
+    """The step as a method, with the model and optimizer on ``self``."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    @cp_compile.context_parallel(shard={"input_ids": 1, "labels": 1}, inner="aot_eager")
+    def step(self, input_ids, labels):
+        return plain_step(self.model, self.optimizer, input_ids, labels)
+
+
+def _train(steps: int, mode: str):
+    torch._dynamo.reset()
+    ref_model, (ids, labels) = models.llama_factory(seq_len=48)
+    cp_model, _ = models.llama_factory(seq_len=48)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    cp_opt = torch.optim.SGD(cp_model.parameters(), lr=0.1) if mode == "sgd" else torch.optim.AdamW(cp_model.parameters(), lr=1e-2)
+    if mode == "sgd":
+        ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    if mode == "method":
+        trainer = Trainer(cp_model, cp_opt)
+        step = lambda i, l: trainer.step(i, l)  # noqa: E731
+    else:
+        local = mode == "local"
+        decorated = cp_compile.context_parallel(plain_step, shard={"input_ids": 1, "labels": 1}, inner="aot_eager",
+                                                inputs="local" if local else "full")
+        step = lambda i, l: decorated(cp_model, cp_opt, *((cp_compile.shard(i, 1), cp_compile.shard(l, 1)) if local else (i, l)))  # noqa: E731,E501
+    ref_losses, cp_losses = [], []
+    for _ in range(steps):
+        ref_losses.append(plain_step(ref_model, ref_opt, ids, labels).item())
+        cp_losses.append(step(ids, labels).item())
+    param_err = max(_rel(p, q) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    return ref_losses, cp_losses, param_err
+
+
+@pytest.mark.parametrize("world,mode", [(2, "function"), (4, "function"), (2, "method"), (2, "local"), (2, "sgd")])
+def test_twenty_decorated_steps_equal_single_process(ranks, world, mode):
+    for ref, cp, param_err in ranks.run(world, _train, 20, mode, timeout=300):
+        assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref, cp)), list(zip(ref, cp))
+        assert ref[-1] < ref[0]
+        assert param_err <= 1e-4, param_err
+
+
+def test_bad_decorator_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="not parameters of plain_step"):
+        cp_compile.context_parallel(plain_step, shard={"tokens": 1})
+    with pytest.raises(ValueError, match="needs shard="):
+        cp_compile.context_parallel(plain_step, inputs="local")
+    with pytest.raises(ValueError, match="'full' or 'local'"):
+        cp_compile.context_parallel(plain_step, inputs="sharded")
