@@ -1,8 +1,8 @@
 """Options of cp_compile, validated once with errors that name the fix.
 
-:class:`RingOptions` holds the knobs of the ring attention op. The compiler backend
-(a later layer) extends this with graph-level options; everything stays a frozen
-dataclass so an options object can be hashed into compile caches.
+:class:`RingOptions` holds the knobs of the ring attention op; the backend's
+graph-level options are :class:`cp_compile.backend.BackendOptions`. Both are frozen
+dataclasses, so an options object can be hashed into compile caches.
 """
 
 from __future__ import annotations

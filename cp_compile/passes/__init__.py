@@ -1,5 +1,10 @@
-"""FX graph passes of the ``ring_cp`` backend (find attention, sequence-layout
-propagation, rewrite, global reductions, outputs, grad sync), each ``(gm, ctx) -> gm``.
+"""FX graph passes of the ``ring_cp`` backend, run in this order by ``backend.RingCP``:
 
-Empty until the backend lands (see DESIGN.md §3); nothing here is imported yet.
+1. :mod:`.find_attention` — the attention nodes and the sequence length S;
+2. :mod:`.seq_inputs` — which graph inputs carry the sequence, and along which dim;
+3. :mod:`.rewrite` — sequence-layout propagation (rules in :mod:`.rules` and
+   :mod:`.rules_attention`, indices in :mod:`.seqindex`) emitting the per-rank graph;
+4. :mod:`.repropagate` — per-rank fake values on the rewritten graph.
+
+The layouts are defined in :mod:`.layouts`; what the passes share is in :mod:`.context`.
 """
