@@ -87,21 +87,33 @@ class RingCP:
         ctx = RewriteContext(group=group, **{k: v for k, v in asdict(opts).items()
                                             if k in ("load_balance", "rotate", "kernel", "seq_inputs",
                                                      "inputs", "outputs", "grad_sync", "strict")})
-        find_attention(gm, ctx)
-        if not ctx.attention:
+        new_gm = rewrite_for_cp(gm, example_inputs, ctx)
+        if new_gm is None:
             log.info("cp_compile: no attention in this graph: compiling it unchanged")
             return inner(gm, example_inputs)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        examples = {n.name: t for n, t in zip(placeholders, example_inputs)}
-        choose_seq_inputs(gm, ctx, examples)
-        if ctx.seq_inputs == "auto":
-            resolve_candidates(ctx, lambda choice: _rewrites_cleanly(gm, ctx, examples, choice), gm)
-        log.debug("cp_compile: graph before the rewrite\n%s", gm.code)
-        new_gm = rewrite_graph(gm, ctx, examples)
-        repropagate(new_gm, [n.meta.get("example_value") for n in placeholders])
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)
         return _hand_off(opts.inner, inner, new_gm, example_inputs)
+
+
+def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
+    """Run the passes in order on Dynamo's graph; None when it has no attention.
+
+    find_attention -> choose_seq_inputs (+ resolve_candidates by trial) -> rewrite_graph
+    -> repropagate. Shared by the backend and by ``cp-compile dump/explain``.
+    """
+    find_attention(gm, ctx)
+    if not ctx.attention:
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = {n.name: t for n, t in zip(placeholders, example_inputs)}
+    choose_seq_inputs(gm, ctx, examples)
+    if ctx.seq_inputs == "auto":
+        resolve_candidates(ctx, lambda choice: _rewrites_cleanly(gm, ctx, examples, choice), gm)
+    log.debug("cp_compile: graph before the rewrite\n%s", gm.code)
+    new_gm = rewrite_graph(gm, ctx, examples)
+    repropagate(new_gm, [n.meta.get("example_value") for n in placeholders])
+    return new_gm
 
 
 def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> Callable:

@@ -1,4 +1,4 @@
-"""The ``cp-compile`` command. Subcommands: ``plan`` (``dump`` and ``explain`` come later).
+"""The ``cp-compile`` command. Subcommands: ``plan`` (below), ``dump`` and ``explain`` (cli_graph.py).
 
 ``plan`` sizes a context-parallel run on paper, from the formulas below (DESIGN.md §1).
 Notation: c = S/N tokens per GPU, h = hidden, H query heads, H_kv KV heads, d = h/H,
@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
+from .cli_graph import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
 from .config import LOAD_BALANCES
 
 
@@ -283,10 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-optimizer", dest="optimizer", action="store_false",
                       help="drop fp32 master weights and AdamW moments (keep weights + grads: 2·b B/param)")
     plan.add_argument("--fsdp", action="store_true", help="shard model states over the N GPUs (FSDP/ZeRO-3)")
+    add_dump_parser(sub)
+    add_explain_parser(sub)
     return parser
 
 
-COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"plan": cmd_plan}
+COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"plan": cmd_plan, "dump": cmd_dump, "explain": cmd_explain}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,0 +1,190 @@
+"""``cp-compile dump`` and ``cp-compile explain``: what the ring_cp backend does to a model's graph.
+
+Both run in one process with no process group: the model is traced by Dynamo once
+and rewritten for a synthetic CP group of ``--world-size`` ranks (rank 0 shown); the
+logic is in :mod:`cp_compile.inspect_graph`. Exit codes: 0 ok; 2 bad TARGET or
+arguments; 1 the model cannot be traced as one graph or rewritten (the message names
+the fix).
+
+Register in ``cp_compile/cli.py``::
+
+    from .cli_graph import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
+    add_dump_parser(sub); add_explain_parser(sub)          # in build_parser()
+    COMMANDS = {"plan": cmd_plan, "dump": cmd_dump, "explain": cmd_explain}
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from .config import LOAD_BALANCES
+
+TARGET_HELP = ("path/to/file.py:factory, a function returning (model, example_inputs); "
+               "the model is called as model(*example_inputs)")
+
+DUMP_EXAMPLES = """examples:
+  cp-compile dump examples/models.py:llama_factory
+  cp-compile dump examples/models.py:llama_factory --world-size 4 --seq-len 128 --load-balance striped
+  cp-compile dump examples/models.py:llama_factory --format html --out /tmp/cp-dump
+  cp-compile dump examples/models.py:llama_factory --format dot --out /tmp/cp-dump   # then: dot -Tsvg ...
+
+Nodes marked * were inserted or rewritten by ring_cp; kinds: ring_attention, shard (indexed by
+this rank's positions), gather (a fallback to the full sequence), grad_all_reduce(_bucket),
+all_reduce_sum, grad_scale. Shapes of the rewritten graph read global -> local (rank 0).
+Exit codes: 0 ok, 2 bad TARGET or arguments, 1 the model cannot be traced or rewritten.
+"""
+
+EXPLAIN_EXAMPLES = """examples:
+  cp-compile explain examples/models.py:llama_factory
+  cp-compile explain examples/models.py:llama_factory --world-size 4 --seq-len 4096
+
+Lists the attention nodes found, the inputs split by sequence, every fallback (an op run on
+the gathered full sequence) with its source line and bytes, the collectives of one training
+step with bytes per rank, and a crude activation-memory estimate.
+Exit codes: 0 ok, 2 bad TARGET or arguments, 1 the model cannot be traced or rewritten.
+"""
+
+
+def _world_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 2, got {text!r}")
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"--world-size must be >= 2 (a CP group of 1 is never rewritten), got {n}")
+    return n
+
+
+def _seq_len(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seq-len must be a positive integer, got {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--seq-len must be a positive integer, got {n}")
+    return n
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="TARGET", help=TARGET_HELP)
+    p.add_argument("--world-size", type=_world_size, default=2, metavar="N", help="ranks in the CP group (default 2)")
+    p.add_argument("--seq-len", type=_seq_len, default=None, metavar="S",
+                   help="passed to the factory as seq_len=S (default: the factory's own)")
+    p.add_argument("--load-balance", choices=LOAD_BALANCES, default="zigzag")
+
+
+def add_dump_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("dump", help="the graph before and after the ring_cp rewrite",
+                              description="Print or write the Dynamo graph of TARGET before and after the ring_cp "
+                                          "rewrite, one node per line: name, kind, target, global -> local shape, "
+                                          "source line.",
+                              epilog=DUMP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    p.set_defaults(cp_graph_command="dump")
+    p.add_argument("--stage", choices=("graph",), default="graph",
+                   help="graph: the Dynamo graph the backend rewrites. The AOT forward/backward stages "
+                        "(forward, backward, all) come later.")
+    p.add_argument("--format", choices=("text", "dot", "svg", "html"), default="text",
+                   help="text (stdout, or DIR/graph.txt with --out); dot: Graphviz DIR/before.dot and "
+                        "DIR/after.dot; svg: the same rendered (needs the graphviz 'dot' program); "
+                        "html: one self-contained DIR/graph.html")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="directory for the files written (default: ./cp-dump for dot/svg/html)")
+    return p
+
+
+def add_explain_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("explain", help="what ring_cp does to a model: attention, sharding, fallbacks, "
+                                               "communication, memory",
+                              description="A readable summary of the ring_cp rewrite of TARGET's graph.",
+                              epilog=EXPLAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    p.set_defaults(cp_graph_command="explain")
+    return p
+
+
+def _report(args: argparse.Namespace):
+    """(report, None) or (None, exit code) with the message printed to stderr."""
+    from .inspect_graph import InspectError, TargetError, inspect, load_target
+    from .passes.context import CPRewriteError
+
+    try:
+        model, example_inputs = load_target(args.target, seq_len=args.seq_len)
+    except TargetError as e:
+        print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
+        return None, 2
+    try:
+        return inspect(model, example_inputs, args.world_size, args.load_balance), 0
+    except (CPRewriteError, InspectError) as e:
+        print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
+        return None, 1
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    """``cp-compile dump``; returns the exit code."""
+    from .inspect_format import format_dot, format_dump_text, format_html
+
+    if args.format == "svg" and shutil.which("dot") is None:
+        print("cp-compile dump: --format svg needs the graphviz 'dot' program, which is not on PATH. "
+              "Fix: install graphviz (e.g. apt-get install graphviz), or use --format dot (then render "
+              "elsewhere) or --format html.", file=sys.stderr)
+        return 2
+    report, code = _report(args)
+    if report is None:
+        return code
+    if args.format == "text" and args.out is None:
+        sys.stdout.write(format_dump_text(report, args.target))
+        return 0
+    out = args.out or "cp-dump"
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        print(f"cp-compile dump: cannot create --out directory {out!r} ({e}). Fix: pass a writable DIR.",
+              file=sys.stderr)
+        return 2
+    written = []
+
+    def write(name: str, text: str) -> str:
+        path = os.path.join(out, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        written.append(path)
+        return path
+
+    if args.format == "text":
+        write("graph.txt", format_dump_text(report, args.target))
+    elif args.format == "html":
+        write("graph.html", format_html(report, args.target))
+    else:
+        graphs = [("before", report.before, report.before_rows, False)]
+        if report.rewritten:
+            graphs.append(("after", report.after, report.after_rows, True))
+        for stem, gm, rows, after in graphs:
+            dot = format_dot(gm, rows, f"{args.target} {stem} (N={report.world_size})", after)
+            path = write(f"{stem}.dot", dot)
+            if args.format == "svg":
+                svg = os.path.join(out, f"{stem}.svg")
+                res = subprocess.run(["dot", "-Tsvg", path, "-o", svg], capture_output=True, text=True)
+                if res.returncode != 0:
+                    print(f"cp-compile dump: dot failed on {path}: {res.stderr.strip()}", file=sys.stderr)
+                    return 1
+                written.append(svg)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """``cp-compile explain``; returns the exit code."""
+    from .inspect_format import format_explain
+
+    report, code = _report(args)
+    if report is None:
+        return code
+    print(format_explain(report, args.target))
+    return 0

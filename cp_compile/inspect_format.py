@@ -1,0 +1,161 @@
+"""Rendering of a :class:`cp_compile.inspect_graph.Report`: the ``explain`` summary,
+the ``dump`` text listing, Graphviz DOT and a self-contained HTML page."""
+
+from __future__ import annotations
+
+
+from typing import List
+
+import torch.fx as fx
+
+from .inspect_graph import NodeRow, Report, format_shape, short_source
+
+# ---------------------------------------------------------------------------------- text output
+def human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n:,} B ({n / size:.1f} {unit})"
+    return f"{n:,} B"
+
+
+def format_explain(r: Report, target: str = "") -> str:
+    ctx = r.ctx
+    head = f"cp-compile explain {target}".rstrip()
+    lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank 0 shown), load balance {r.load_balance}"]
+    if not r.attention:
+        lines.append("attention: none found. The ring_cp backend compiles this graph unchanged "
+                     "(nothing is split by sequence).")
+        return "\n".join(lines)
+    lines.append(f"  sequence length S = {ctx.seq_len}; {ctx.local_len} positions per rank"
+                 + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))
+    lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
+    w = max(len(n) for n, _ in r.attention)
+    lines += [f"  {n:<{w}}  {short_source(s)}" for n, s in r.attention]
+    lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or
+                                       "none (every input stays whole; values are indexed by position)"))
+    if r.fallbacks:
+        lines.append(f"fallbacks: {len(r.fallbacks)} op(s) run on the gathered full sequence "
+                     "(exact, but every rank holds the whole value: not memory-scalable)")
+        for f in r.fallbacks:
+            lines.append(f"  {f.node} at {short_source(f.source)}")
+            lines.append(f"      gathers {human(f.gathered_bytes)} per rank")
+    else:
+        lines.append("fallbacks: none (no op gathers the full sequence)")
+    lines.append("collectives per training step (one forward + backward), per rank, payload bytes:")
+    w = max(len(c.what) for c in r.collectives) if r.collectives else 0
+    for phase in ("forward", "backward"):
+        cs = [c for c in r.collectives if c.phase == phase]
+        tot = sum(c.bytes for c in cs)
+        lines.append(f"  {phase}: {sum(c.count for c in cs)} collective(s), {human(tot)}")
+        for c in cs:
+            lines.append(f"    {c.what:<{w}}  x{c.count:<4} {human(c.bytes)}" + (f"  [{c.detail}]" if c.detail else ""))
+    total = sum(c.bytes for c in r.collectives)
+    lines.append(f"  total: {human(total)} (a ring all-reduce moves about 2(N-1)/N x its payload per rank)")
+    ratio = r.act_bytes_local / r.act_bytes_global if r.act_bytes_global else float("nan")
+    lines.append(f"activation memory, per rank vs single device: {human(r.act_bytes_local)} vs "
+                 f"{human(r.act_bytes_global)} ({ratio:.2f}x)")
+    lines.append("  crude upper bound: the sum of every intermediate tensor of the graph as if all were live at "
+                 "once (views counted as copies, no reuse, backward buffers not included)")
+    return "\n".join(lines)
+
+
+def format_rows(rows: List[NodeRow], after: bool) -> List[str]:
+    cols = []
+    for r in rows:
+        shape = (f"{format_shape(r.global_shape)} -> {format_shape(r.local_shape)}" if after
+                 else format_shape(r.global_shape))
+        cols.append(("*" if r.marked else " ", r.name, r.kind or "-", r.target, shape, short_source(r.source)))
+    caps = (1, 32, 22, 28, 40)  # longer entries overflow their column rather than widen it for every row
+    widths = [min(max((len(c[i]) for c in cols), default=0), cap) for i, cap in enumerate(caps)]
+    return [f"{c[0]} {c[1]:<{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]:<{widths[3]}}  {c[4]:<{widths[4]}}  {c[5]}".rstrip()
+            for c in cols]
+
+
+def format_dump_text(r: Report, target: str = "") -> str:
+    lines = [f"# cp-compile dump {target}: world size {r.world_size}, load balance {r.load_balance}".replace("  ", " "),
+             "# columns: name  kind  target  shape  source line;  * = inserted or rewritten by ring_cp",
+             "", f"== before: the Dynamo graph ({len(r.before_rows)} nodes), global shapes"]
+    lines += format_rows(r.before_rows, after=False)
+    lines.append("")
+    if r.rewritten:
+        lines.append(f"== after: rewritten for {r.world_size} ranks ({len(r.after_rows)} nodes), "
+                     "global shape -> local shape (rank 0)")
+        lines += format_rows(r.after_rows, after=True)
+    else:
+        lines.append("== after: unchanged (no attention in the graph)")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------- dot / html
+def _dot_escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def format_dot(gm: fx.GraphModule, rows: List[NodeRow], title: str, after: bool) -> str:
+    by_name = {r.name: r for r in rows}
+    out = [f'digraph "{_dot_escape(title)}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace", fontsize=9];',
+           f'  label="{_dot_escape(title)}"; labelloc=t;']
+    colors = {"ring_attention": "#ffb3b3", "shard": "#b3d9ff", "gather": "#ff8080", "grad_all_reduce": "#d9b3ff",
+              "grad_all_reduce_bucket": "#d9b3ff", "all_reduce_sum": "#ffd9b3", "grad_scale": "#e6e6e6"}
+    for n in gm.graph.nodes:
+        r = by_name.get(n.name)
+        if r is None:
+            continue
+        shape = (f"{format_shape(r.global_shape)} -> {format_shape(r.local_shape)}" if after
+                 else format_shape(r.global_shape))
+        label = "\\n".join(_dot_escape(x) for x in (("* " if r.marked else "") + r.name, r.kind or r.op, r.target,
+                                                     shape) if x)
+        style = ""
+        if r.marked:
+            style = f', style=filled, fillcolor="{colors.get(r.kind, "#ffffb3")}"'
+        tip = _dot_escape(short_source(r.source))
+        out.append(f'  "{_dot_escape(n.name)}" [label="{label}", tooltip="{tip}"{style}];')
+        for a in n.all_input_nodes:
+            out.append(f'  "{_dot_escape(a.name)}" -> "{_dot_escape(n.name)}";')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+_CSS = """
+body { font-family: sans-serif; margin: 1.5em; }
+table { border-collapse: collapse; margin-bottom: 2em; font-size: 12px; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; font-family: monospace; white-space: nowrap; }
+th { background: #eee; position: sticky; top: 0; }
+tr.marked td { background: #fff4b3; }
+tr.k-ring_attention td { background: #ffc9c9; }
+tr.k-gather td { background: #ff9f9f; }
+tr.k-shard td { background: #cfe6ff; }
+tr.k-grad_all_reduce td, tr.k-grad_all_reduce_bucket td { background: #ead6ff; }
+tr.k-all_reduce_sum td { background: #ffe3c4; }
+pre { background: #f6f6f6; padding: 1em; }
+"""
+
+
+def format_html(r: Report, target: str = "") -> str:
+    import html as H
+
+    def table(rows: List[NodeRow], title: str, after: bool) -> str:
+        head = ["", "name", "kind", "target", "global shape"] + (["local shape"] if after else []) + ["source"]
+        out = [f"<h2>{H.escape(title)}</h2>", "<table>",
+               "<tr>" + "".join(f"<th>{H.escape(h)}</th>" for h in head) + "</tr>"]
+        for x in rows:
+            cls = " ".join(c for c in ("marked" if x.marked else "", f"k-{x.kind}" if x.kind else "") if c)
+            cells = ["*" if x.marked else "", x.name, x.kind, x.target, format_shape(x.global_shape)]
+            if after:
+                cells.append(format_shape(x.local_shape))
+            cells.append(short_source(x.source))
+            out.append(f'<tr class="{cls}">' + "".join(f"<td>{H.escape(c)}</td>" for c in cells) + "</tr>")
+        out.append("</table>")
+        return "\n".join(out)
+
+    parts = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8">',
+             f"<title>cp-compile dump {H.escape(target)}</title>", f"<style>{_CSS}</style></head><body>",
+             f"<h1>cp-compile dump {H.escape(target)}</h1>",
+             "<p>Rows marked * (highlighted) were inserted or rewritten by ring_cp.</p>",
+             f"<pre>{H.escape(format_explain(r, target))}</pre>",
+             table(r.before_rows, f"before: the Dynamo graph ({len(r.before_rows)} nodes)", after=False)]
+    if r.rewritten:
+        parts.append(table(r.after_rows, f"after: rewritten for {r.world_size} ranks ({len(r.after_rows)} nodes)",
+                           after=True))
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,464 @@
+"""Graph inspection for ``cp-compile dump`` / ``cp-compile explain``, in one process.
+
+No process group is needed: the model is traced once by Dynamo with a capturing
+backend, and the ``ring_cp`` passes (find_attention -> choose_seq_inputs ->
+resolve_candidates -> rewrite_graph -> repropagate, as in ``RingCP.__call__``) run on
+a copy of the graph for a synthetic CP group ``CPGroup(pg=None, rank=0, size=N)``.
+The rewritten graph is never run; its nodes carry ``meta["val"]`` (rank 0's local
+fake value) and, for nodes copied from the original graph, ``meta["cp_global_val"]``.
+
+The passes run *inside* the capture callback: Dynamo drops the placeholders'
+``grapharg`` metadata (which names the forward() argument behind each input) once
+the backend returns, and ``choose_seq_inputs`` needs it.
+
+Byte counts in :class:`Report` are per rank and per training step (one forward and
+one backward of the graph), for ``rotate="p2p"``:
+
+* ring attention, per attention node, with K/V block = 2·B·H_kv·c·D·elem_size from
+  the local shapes of the ring op's k and v: forward (N-1) K/V hops; backward (N-1)
+  K/V hops plus N hops of the fp32 dK/dV accumulators (2·B·H_kv·c·D·4 bytes);
+* gradient all-reduces: the payload, i.e. the parameter bytes (a ring all-reduce
+  moves about 2(N-1)/N of it per rank);
+* forward all-reduces (global loss / reductions), whose backward is an all-reduce too;
+* gathers (fallbacks): the bytes of the gathered full-sequence value, all-gathered in
+  the forward and reduce-scattered in the backward.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect as _inspect
+import operator
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import graph_ops
+from ._group import CPGroup
+from .config import LOAD_BALANCES, check_choice
+from .passes.context import RewriteContext, source_line
+from .passes.seq_inputs import user_name
+
+TARGET_FORM = "path/to/file.py:factory"
+TARGET_EXAMPLE = "examples/models.py:llama_factory"
+
+KINDS = ("ring_attention", "shard", "grad_all_reduce", "grad_all_reduce_bucket", "all_reduce_sum", "gather",
+         "grad_scale")
+
+
+class TargetError(ValueError):
+    """TARGET (or an argument that goes with it) is unusable; the message names the fix."""
+
+
+class InspectError(RuntimeError):
+    """The model could not be traced or rewritten; the message names the fix."""
+
+
+# ---------------------------------------------------------------------------------- loading
+def load_target(spec: str, seq_len: Optional[int] = None) -> Tuple[torch.nn.Module, Tuple[Any, ...]]:
+    """``path/to/file.py:factory`` -> ``factory(**kw)``, checked to be ``(model, example_inputs)``.
+
+    ``seq_len`` is passed as ``seq_len=`` only when given (and the factory must accept it).
+    The file's directory is on ``sys.path`` while it is imported and the factory runs,
+    so sibling imports (``from models import ...``) work.
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise TargetError(f"TARGET must have the form {TARGET_FORM} (e.g. {TARGET_EXAMPLE}), got {spec!r}. "
+                          "Fix: add ':' and the name of a function returning (model, example_inputs).")
+    path, name = spec.rsplit(":", 1)
+    if not path or not name.isidentifier():
+        raise TargetError(f"TARGET must have the form {TARGET_FORM} (e.g. {TARGET_EXAMPLE}), got {spec!r}: "
+                          f"{'the file part is empty' if not path else f'{name!r} is not a function name'}.")
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise TargetError(f"TARGET file {path} does not exist. Fix: give the path of a .py file "
+                          f"(relative to {os.getcwd()} or absolute), e.g. {TARGET_EXAMPLE}.")
+    folder = os.path.dirname(path)
+    sys.path.insert(0, folder)
+    try:
+        module = _import_file(path)
+        factory = getattr(module, name, None)
+        if not callable(factory):
+            found = sorted(n for n, v in vars(module).items()
+                           if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+            raise TargetError(f"{os.path.relpath(path)} has no function {name!r}. "
+                              f"Callables defined there: {', '.join(found) or '(none)'}.")
+        kwargs = {}
+        if seq_len is not None:
+            if not _accepts(factory, "seq_len"):
+                raise TargetError(f"{name}() takes no seq_len argument, so --seq-len cannot be applied. "
+                                  "Fix: drop --seq-len, or give the factory a seq_len parameter.")
+            kwargs["seq_len"] = seq_len
+        try:
+            result = factory(**kwargs)
+        except Exception as e:
+            raise TargetError(f"{name}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) raised "
+                              f"{type(e).__name__}: {e}. Fix the factory (or its arguments).") from e
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:
+            pass
+    if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.nn.Module)
+            and isinstance(result[1], (tuple, list))):
+        got = type(result).__name__
+        if isinstance(result, (tuple, list)):
+            got += f" of ({', '.join(type(r).__name__ for r in result)})"
+        raise TargetError(f"{name}() must return (model, example_inputs): an nn.Module and a tuple of forward() "
+                          f"arguments; it returned a {got}. Fix: return (model, (input_ids, labels)), say.")
+    return result[0], tuple(result[1])
+
+
+def _import_file(path: str):
+    mod_name = "_cp_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0]) + f"_{abs(hash(path))}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise TargetError(f"cannot import {path} as Python. Fix: TARGET must name a .py file ({TARGET_FORM}).")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses look their module up while the file executes
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(mod_name, None)
+        raise TargetError(f"importing {path} raised {type(e).__name__}: {e}. Fix the file.") from e
+    return module
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = _inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
+# ---------------------------------------------------------------------------------- report
+@dataclass
+class NodeRow:
+    """One node of a graph as dump shows it."""
+
+    name: str
+    op: str
+    target: str
+    kind: str  # one of KINDS, or "" for nodes copied from the original graph
+    status: str  # "inserted" | "rewritten" (copied, arguments changed) | "" (copied unchanged)
+    source: str
+    global_shape: Any  # tuple, list of tuples (multi-output), or None
+    local_shape: Any
+
+    @property
+    def marked(self) -> bool:
+        return bool(self.status)
+
+
+@dataclass
+class FallbackInfo:
+    node: str
+    source: str
+    message: str
+    gathered_bytes: int
+
+
+@dataclass
+class Collective:
+    phase: str  # "forward" | "backward"
+    what: str
+    count: int
+    bytes: int
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    world_size: int
+    load_balance: str
+    before: fx.GraphModule
+    after: fx.GraphModule  # == before when the graph has no attention (the backend leaves it unchanged)
+    ctx: RewriteContext
+    input_names: Dict[str, str]  # placeholder name -> forward() argument (or parameter/buffer path)
+    before_rows: List[NodeRow]
+    after_rows: List[NodeRow]
+    attention: List[Tuple[str, str]]  # (node name, source line) of each SDPA in the original graph
+    shard_inputs: Dict[str, int]  # forward() argument -> sequence dim
+    fallbacks: List[FallbackInfo]
+    collectives: List[Collective]
+    act_bytes_local: int
+    act_bytes_global: int
+
+    @property
+    def rewritten(self) -> bool:
+        return self.after is not self.before
+
+
+def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int = 2,
+            load_balance: str = "zigzag", **opts: Any) -> Report:
+    """Trace ``model(*example_inputs)`` with Dynamo and rewrite it for a CP group of ``world_size``.
+
+    ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs, inputs,
+    outputs, grad_sync, strict). Resets Dynamo's caches first (each call traces anew).
+    Raises :class:`InspectError` when tracing fails and CPRewriteError when the
+    rewrite refuses the model.
+    """
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"cp_compile: world_size must be an int >= 2 (a CP group of 1 is not rewritten), "
+                         f"got {world_size!r}.")
+    check_choice("load_balance", load_balance, LOAD_BALANCES)
+    ctx = RewriteContext(group=CPGroup(pg=None, rank=0, size=world_size), load_balance=load_balance, **opts)
+    state: Dict[str, Any] = {}
+
+    def capture(gm: fx.GraphModule, ex: List[Any]) -> Callable:
+        if "before" in state:  # a second graph: only possible without fullgraph
+            return gm.forward
+        try:
+            state.update(_run_passes(gm, ex, ctx))
+        except BaseException as e:  # re-raised outside Dynamo, unwrapped
+            state["error"] = e
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=capture, fullgraph=True, dynamic=False)(*example_inputs)
+    except Exception as e:
+        if "error" in state:
+            raise state["error"]
+        raise InspectError(f"Dynamo could not capture the model as one graph ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}). Fix: remove graph breaks "
+                           "(dump/explain inspect one whole graph), or check that the example inputs fit the "
+                           "model.") from e
+    finally:
+        torch._dynamo.reset()
+    if "error" in state:
+        raise state["error"]
+    if "before" not in state:
+        raise InspectError("Dynamo produced no graph for this model (nothing to compile?).")
+    return _build_report(world_size, load_balance, ctx, **state)
+
+
+def _run_passes(gm: fx.GraphModule, ex: List[Any], ctx: RewriteContext) -> Dict[str, Any]:
+    """What RingCP.__call__ does, on a copy of ``gm`` (Dynamo's own graph is left untouched)."""
+    from .backend import rewrite_for_cp
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    before = fx.GraphModule(gm, graph)  # node meta copied (shallow): grapharg, example_value, stack_trace
+    input_names = {n.name: user_name(n) for n in before.graph.nodes if n.op == "placeholder"}
+    after = rewrite_for_cp(before, ex, ctx)
+    return {"before": before, "after": after if after is not None else before, "input_names": input_names}
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _shape(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return tuple(_int(d) for d in val.shape)
+    if isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
+        return [tuple(_int(d) for d in v.shape) for v in val]
+    return None
+
+
+def _int(d: Any) -> Any:
+    try:
+        return int(d)
+    except Exception:
+        return str(d)
+
+
+def _nbytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return _int(val.numel()) * val.element_size() if isinstance(_int(val.numel()), int) else 0
+    return 0
+
+
+def format_shape(shape: Any) -> str:
+    if shape is None:
+        return "-"
+    if isinstance(shape, list):
+        return "[" + ", ".join(map(str, shape)) + "]"
+    return str(shape)
+
+
+def target_name(node: fx.Node, input_names: Optional[Dict[str, str]] = None) -> str:
+    if node.op == "placeholder":
+        return (input_names or {}).get(node.name, str(node.target))
+    if node.op == "call_method":
+        return "." + str(node.target)
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return str(t).removesuffix(".default")
+        return getattr(t, "__name__", str(t))
+    if node.op == "output":
+        return "output"
+    return str(node.target)
+
+
+def _kind(node: fx.Node) -> str:
+    if node.op == "call_function":
+        t = node.target
+        if t is torch.ops.cp_compile.ring_attention_fwd.default:
+            return "ring_attention"
+        for fn in (graph_ops.grad_all_reduce, graph_ops.grad_all_reduce_bucket, graph_ops.all_reduce_sum,
+                   graph_ops.grad_scale):
+            if t is fn:
+                return fn.__name__
+        if t is graph_ops.gather_seq:
+            return "gather"
+    return ""
+
+
+def _origin_map(before: fx.GraphModule, after: fx.GraphModule) -> Dict[fx.Node, fx.Node]:
+    """New node -> the original node it was copied from (copies share the fake value object)."""
+    by_val = {id(n.meta["example_value"]): n for n in before.graph.nodes if n.meta.get("example_value") is not None}
+    out = {}
+    for n in after.graph.nodes:
+        val = n.meta.get("cp_global_val")
+        if val is not None and id(val) in by_val:
+            out[n] = by_val[id(val)]
+        elif n.op in ("placeholder", "output"):
+            out[n] = next((o for o in before.graph.nodes if o.op == n.op and o.name == n.name), None)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _same_args(new: fx.Node, old: fx.Node, origin: Dict[fx.Node, fx.Node]) -> bool:
+    def norm_new(a):
+        return ("node", origin[a].name) if a in origin else ("new", a.name)
+
+    def norm_old(a):
+        return ("node", a.name)
+
+    mapped_new = fx.node.map_aggregate((new.args, new.kwargs), lambda a: norm_new(a) if isinstance(a, fx.Node) else a)
+    mapped_old = fx.node.map_aggregate((old.args, old.kwargs), lambda a: norm_old(a) if isinstance(a, fx.Node) else a)
+    return new.target == old.target and repr(mapped_new) == repr(mapped_old)
+
+
+def short_source(src: str) -> str:
+    cwd = os.getcwd() + os.sep
+    return src.replace(cwd, "") if src else src
+
+
+def _rows_before(gm: fx.GraphModule, names: Dict[str, str]) -> List[NodeRow]:
+    rows = []
+    for n in gm.graph.nodes:
+        shape = _shape(n.meta.get("example_value"))
+        src = source_line(n) if n.meta.get("stack_trace") else ""
+        rows.append(NodeRow(n.name, n.op, target_name(n, names), "", "", src, shape, shape))
+    return rows
+
+
+def _rows_after(before: fx.GraphModule, after: fx.GraphModule, names: Dict[str, str],
+                attention_src: List[str]) -> List[NodeRow]:
+    origin = _origin_map(before, after)
+    rows, rings = [], iter(attention_src)
+    for n in after.graph.nodes:
+        kind = _kind(n)
+        old = origin.get(n)
+        if old is None:
+            status = "inserted"
+        elif n.op in ("placeholder", "get_attr") or _same_args(n, old, origin):
+            status = ""
+        else:
+            status = "rewritten"
+        if status == "inserted" and n.op == "call_method" and n.target == "index_select":
+            kind = "shard"  # a value indexed by this rank's sequence positions
+        src = source_line(n) if n.meta.get("stack_trace") else ""
+        if kind == "ring_attention":
+            src = next(rings, "")  # one ring op per original attention, in graph order
+        glob = _shape(n.meta.get("cp_global_val"))
+        loc = _shape(n.meta.get("val"))
+        if glob is None and kind == "gather":
+            glob = loc  # a gather's value is the full sequence on every rank
+        rows.append(NodeRow(n.name, n.op, target_name(n, names), kind, status, src, glob, loc))
+    return rows
+
+
+def _activation_bytes(gm: fx.GraphModule, key: str) -> int:
+    """Bytes of every intermediate tensor (not inputs, parameters, buffers or parameter aliases)."""
+    total = 0
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output") or _kind(n) in ("grad_all_reduce", "grad_all_reduce_bucket"):
+            continue
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+                and _kind(n.args[0]) == "grad_all_reduce_bucket":
+            continue
+        total += _nbytes(n.meta.get(key))
+    return total
+
+
+def _arg(node: fx.Node, i: int) -> Any:
+    return node.args[i].meta.get("val") if isinstance(node.args[i], fx.Node) else None
+
+
+def _collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> List[Collective]:
+    nodes = list(after.graph.nodes)
+    rings = [n for n in nodes if _kind(n) == "ring_attention"]
+    kv_hop, acc_hop = 0, 0
+    for r in rings:
+        k, v = _arg(r, 1), _arg(r, 2)
+        kv_hop += _nbytes(k) + _nbytes(v)
+        acc_hop += (_int(k.numel()) + _int(v.numel())) * 4 if k is not None and v is not None else 0
+    hops = n_ranks - 1
+    out: List[Collective] = []
+    if rings:
+        out.append(Collective("forward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
+                              f"{len(rings)} attention x {hops} hop(s), {kv_hop // max(len(rings), 1):,} B per hop"))
+    ar = [n for n in nodes if _kind(n) == "all_reduce_sum"]
+    ar_bytes = sum(_nbytes(n.meta.get("val")) for n in ar)
+    if ar:
+        out.append(Collective("forward", "all_reduce (global loss / reductions)", len(ar), ar_bytes))
+    g_bytes = sum(_nbytes(g.meta.get("val")) for g in gathers)
+    if gathers:
+        out.append(Collective("forward", "all_gather (fallbacks)", len(gathers), g_bytes,
+                              "bytes of the gathered full-sequence values"))
+    if rings:
+        out.append(Collective("backward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
+                              f"{len(rings)} attention x {hops} hop(s)"))
+        out.append(Collective("backward", "ring dK/dV send+recv (fp32)", len(rings) * n_ranks, acc_hop * n_ranks,
+                              f"{len(rings)} attention x {n_ranks} hop(s), {acc_hop // max(len(rings), 1):,} B per hop"))
+    singles = [n for n in nodes if _kind(n) == "grad_all_reduce"]
+    buckets = [n for n in nodes if _kind(n) == "grad_all_reduce_bucket"]
+    if singles:
+        out.append(Collective("backward", "grad all_reduce (parameters)", len(singles),
+                              sum(_nbytes(n.meta.get("val")) for n in singles), "one per tensor"))
+    if buckets:
+        b = sum(_nbytes(_bucket_val(x)) for n in buckets for x in n.args[0])
+        out.append(Collective("backward", "grad all_reduce (1-D parameter buckets)", len(buckets), b,
+                              f"{sum(len(n.args[0]) for n in buckets)} tensors flattened"))
+    if ar:
+        out.append(Collective("backward", "all_reduce (gradient of the global loss)", len(ar), ar_bytes))
+    if gathers:
+        out.append(Collective("backward", "reduce_scatter (fallbacks)", len(gathers), g_bytes))
+    return out
+
+
+def _bucket_val(x: Any) -> Any:
+    return x.meta.get("val") if isinstance(x, fx.Node) else None
+
+
+def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, before: fx.GraphModule,
+                  after: fx.GraphModule, input_names: Dict[str, str]) -> Report:
+    attention = [(n.name, source_line(n)) for n in ctx.attention]
+    before_rows = _rows_before(before, input_names)
+    rewritten = after is not before
+    after_rows = _rows_after(before, after, input_names, [s for _, s in attention]) if rewritten else before_rows
+    shard_inputs = {input_names.get(k, k): d for k, d in ctx.shard_inputs.items()}
+    fallbacks, gathers = [], []
+    if rewritten:
+        origin = _origin_map(before, after)
+        copy_of = {old.name: new for new, old in origin.items()}
+        for msg in ctx.fallbacks:
+            m = re.search(r"\(node ([^)\s]+)\) at (.*)$", msg)
+            name, src = (m.group(1), m.group(2)) if m else ("?", "")
+            new = copy_of.get(name)
+            gs = [a for a in (new.all_input_nodes if new is not None else []) if _kind(a) == "gather"]
+            gathers.extend(g for g in gs if g not in gathers)
+            fallbacks.append(FallbackInfo(name, src, msg, sum(_nbytes(g.meta.get("val")) for g in gs)))
+        gathers.extend(n for n in after.graph.nodes if _kind(n) == "gather" and n not in gathers)
+    collectives = _collectives(after, world_size, gathers) if rewritten else []
+    return Report(world_size, load_balance, before, after, ctx, input_names, before_rows, after_rows, attention,
+                  shard_inputs, fallbacks, collectives,
+                  _activation_bytes(after, "val") if rewritten else _activation_bytes(before, "example_value"),
+                  _activation_bytes(before, "example_value"))
