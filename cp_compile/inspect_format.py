@@ -3,7 +3,6 @@ the ``dump`` text listing, Graphviz DOT and a self-contained HTML page."""
 
 from __future__ import annotations
 
-
 from typing import List
 
 import torch.fx as fx
