@@ -86,9 +86,10 @@ def add_dump_parser(subparsers: Any) -> argparse.ArgumentParser:
                               epilog=DUMP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(p)
     p.set_defaults(cp_graph_command="dump")
-    p.add_argument("--stage", choices=("graph",), default="graph",
-                   help="graph: the Dynamo graph the backend rewrites. The AOT forward/backward stages "
-                        "(forward, backward, all) come later.")
+    p.add_argument("--stage", choices=("graph", "forward", "backward", "all"), default="graph",
+                   help="graph: the Dynamo graph the backend rewrites (before and after); forward / "
+                        "backward: the per-rank graphs AOTAutograd makes of the rewritten one (collectives "
+                        "and the ring op marked *; text only); all: every one of them")
     p.add_argument("--format", choices=("text", "dot", "svg", "html"), default="text",
                    help="text (stdout, or DIR/graph.txt with --out); dot: Graphviz DIR/before.dot and "
                         "DIR/after.dot; svg: the same rendered (needs the graphviz 'dot' program); "
@@ -108,7 +109,7 @@ def add_explain_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _report(args: argparse.Namespace):
+def _report(args: argparse.Namespace, aot: bool = False):
     """(report, None) or (None, exit code) with the message printed to stderr."""
     from .inspect_graph import InspectError, TargetError, inspect, load_target
     from .passes.context import CPRewriteError
@@ -119,7 +120,7 @@ def _report(args: argparse.Namespace):
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 2
     try:
-        return inspect(model, example_inputs, args.world_size, args.load_balance), 0
+        return inspect(model, example_inputs, args.world_size, args.load_balance, aot=aot), 0
     except (CPRewriteError, InspectError) as e:
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 1
@@ -134,9 +135,26 @@ def cmd_dump(args: argparse.Namespace) -> int:
               "Fix: install graphviz (e.g. apt-get install graphviz), or use --format dot (then render "
               "elsewhere) or --format html.", file=sys.stderr)
         return 2
-    report, code = _report(args)
+    aot_stages = {"graph": [], "forward": ["forward"], "backward": ["backward"], "all": ["forward", "backward"]}
+    stages = aot_stages[args.stage]
+    if stages and args.format != "text":
+        print(f"cp-compile dump: --stage {args.stage} is printed as text only. Fix: add --format text, or use "
+              "--stage graph for dot/svg/html.", file=sys.stderr)
+        return 2
+    report, code = _report(args, aot=bool(stages))
     if report is None:
         return code
+    if stages:
+        from .inspect_format import format_aot_text
+
+        text = (format_dump_text(report, args.target) if args.stage == "all" else "") + format_aot_text(report, stages)
+        if args.out is None:
+            sys.stdout.write(text)
+            return 0
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{args.stage}.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+        return 0
     if args.format == "text" and args.out is None:
         sys.stdout.write(format_dump_text(report, args.target))
         return 0

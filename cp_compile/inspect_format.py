@@ -158,3 +158,25 @@ def format_html(r: Report, target: str = "") -> str:
                            after=True))
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+_COMM = ("_c10d_functional", "ring_attention")
+
+
+def format_aot_text(r: Report, stages: List[str]) -> str:
+    """The AOTAutograd forward/backward graphs, one node per line, collectives and the ring op marked *."""
+    out: List[str] = []
+    for stage in stages:
+        gm = r.aot_forward if stage == "forward" else r.aot_backward
+        if gm is None:
+            out.append(f"== {stage}: none (the graph was not rewritten, or nothing needs a gradient)")
+            continue
+        nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        marked = sum(any(c in str(n.target) for c in _COMM) for n in nodes)
+        out.append(f"== {stage} graph (AOTAutograd, per rank): {len(nodes)} nodes, {marked} communication/ring (*)")
+        for n in nodes:
+            val = n.meta.get("val")
+            shape = format_shape(tuple(val.shape)) if hasattr(val, "shape") else ""
+            mark = "*" if any(c in str(n.target) for c in _COMM) else " "
+            out.append(f"{mark} {n.name:<28} {str(n.target):<52} {shape}")
+    return "\n".join(out) + "\n"

@@ -189,6 +189,8 @@ class Report:
     collectives: List[Collective]
     act_bytes_local: int
     act_bytes_global: int
+    aot_forward: Optional[fx.GraphModule] = None  # AOTAutograd's partition of the rewritten graph (aot=True)
+    aot_backward: Optional[fx.GraphModule] = None
 
     @property
     def rewritten(self) -> bool:
@@ -196,11 +198,13 @@ class Report:
 
 
 def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int = 2,
-            load_balance: str = "zigzag", **opts: Any) -> Report:
+            load_balance: str = "zigzag", aot: bool = False, **opts: Any) -> Report:
     """Trace ``model(*example_inputs)`` with Dynamo and rewrite it for a CP group of ``world_size``.
 
     ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs, inputs,
-    outputs, grad_sync, strict). Resets Dynamo's caches first (each call traces anew).
+    outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
+    AOTAutograd (fake tensors only) into the forward and backward graphs the inner
+    compiler would get. Resets Dynamo's caches first (each call traces anew).
     Raises :class:`InspectError` when tracing fails and CPRewriteError when the
     rewrite refuses the model.
     """
@@ -216,6 +220,8 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
             return gm.forward
         try:
             state.update(_run_passes(gm, ex, ctx))
+            if aot and state["after"] is not state["before"]:
+                state.update(_aot_graphs(state["after"], ex))
         except BaseException as e:  # re-raised outside Dynamo, unwrapped
             state["error"] = e
         return gm.forward
@@ -237,6 +243,27 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
     if "before" not in state:
         raise InspectError("Dynamo produced no graph for this model (nothing to compile?).")
     return _build_report(world_size, load_balance, ctx, **state)
+
+
+def _aot_graphs(gm: fx.GraphModule, ex: List[Any]) -> Dict[str, fx.GraphModule]:
+    """The forward and backward graphs AOTAutograd makes of ``gm`` (traced on fake tensors)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import default_partition
+
+    got: Dict[str, fx.GraphModule] = {}
+
+    def partition(joint: fx.GraphModule, inputs: Any, **kw: Any):
+        fw, bw = default_partition(joint, inputs, **kw)
+        got["aot_forward"], got["aot_backward"] = fw, bw
+        return fw, bw
+
+    def keep(g: fx.GraphModule, _ex: Any) -> Callable:
+        got.setdefault("aot_forward", g)  # inference graphs skip the partition
+        return make_boxed_func(g.forward)
+
+    aot_module_simplified(gm, ex, fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
+    return got
 
 
 def _run_passes(gm: fx.GraphModule, ex: List[Any], ctx: RewriteContext) -> Dict[str, Any]:
@@ -439,7 +466,8 @@ def _bucket_val(x: Any) -> Any:
 
 
 def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, before: fx.GraphModule,
-                  after: fx.GraphModule, input_names: Dict[str, str]) -> Report:
+                  after: fx.GraphModule, input_names: Dict[str, str],
+                  aot_forward: Optional[fx.GraphModule] = None, aot_backward: Optional[fx.GraphModule] = None) -> Report:
     attention = [(n.name, source_line(n)) for n in ctx.attention]
     before_rows = _rows_before(before, input_names)
     rewritten = after is not before
@@ -461,4 +489,4 @@ def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, befor
     return Report(world_size, load_balance, before, after, ctx, input_names, before_rows, after_rows, attention,
                   shard_inputs, fallbacks, collectives,
                   _activation_bytes(after, "val") if rewritten else _activation_bytes(before, "example_value"),
-                  _activation_bytes(before, "example_value"))
+                  _activation_bytes(before, "example_value"), aot_forward, aot_backward)

@@ -192,7 +192,7 @@ def test_bad_arguments(capsys):
     assert e.value.code == 2
     assert ">= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        run(["dump", LLAMA, "--stage", "forward"], capsys)
+        run(["dump", LLAMA, "--stage", "optimizer"], capsys)
     assert e.value.code == 2
 
 
@@ -213,3 +213,21 @@ def test_help_mentions_example(capsys):
             run([cmd, "--help"], capsys)
         assert e.value.code == 0
         assert "examples/models.py:llama_factory" in capsys.readouterr().out
+
+
+def test_dump_backward_stage_shows_the_ring_and_every_gradient_all_reduce(capsys):
+    """The per-rank backward graph AOTAutograd makes: 2 ring backward ops, and one all-reduce
+    (+ wait) per matrix (16), for the bucket of 1-D norm scales (1) and for the global loss sum (1)."""
+    code, out, _ = run(["dump", LLAMA, "--stage", "backward"], capsys)
+    assert code == 0
+    lines = [ln for ln in out.splitlines() if ln.startswith("*")]
+    assert sum("ring_attention_bwd" in ln for ln in lines) == 2
+    assert sum("_c10d_functional.all_reduce" in ln for ln in lines) == 16 + 1 + 1
+    assert sum("wait_tensor" in ln for ln in lines) == 16 + 1 + 1
+    code, out, _ = run(["dump", LLAMA, "--stage", "forward"], capsys)
+    assert code == 0 and "ring_attention_fwd" in out and "== forward graph" in out
+
+
+def test_dump_aot_stages_are_text_only(capsys):
+    code, _, err = run(["dump", LLAMA, "--stage", "all", "--format", "html"], capsys)
+    assert code == 2 and "--format text" in err
