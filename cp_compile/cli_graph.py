@@ -50,24 +50,21 @@ Exit codes: 0 ok, 2 bad TARGET or arguments, 1 the model cannot be traced or rew
 """
 
 
-def _world_size(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 2, got {text!r}")
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"--world-size must be >= 2 (a CP group of 1 is never rewritten), got {n}")
-    return n
+def _int_at_least(flag: str, low: int, why: str = ""):
+    """An argparse type: an integer >= ``low``, with a message naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {text!r}")
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {low}{why}, got {n}")
+        return n
+    return parse
 
 
-def _seq_len(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seq-len must be a positive integer, got {text!r}")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--seq-len must be a positive integer, got {n}")
-    return n
+_world_size = _int_at_least("--world-size", 2, " (a CP group of 1 is never rewritten)")
+_seq_len = _int_at_least("--seq-len", 1)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
