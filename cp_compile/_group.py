@@ -29,12 +29,6 @@ class CPGroup:
             return ""
         return self.pg.group_name
 
-    def global_rank(self, group_rank: int) -> int:
-        """The global rank of ``group_rank`` (what P2P calls want)."""
-        if self.pg is None:
-            return group_rank
-        return dist.get_global_rank(self.pg, group_rank)
-
 
 def _from_mesh(mesh: Any) -> dist.ProcessGroup:
     if mesh.ndim == 1:

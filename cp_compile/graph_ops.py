@@ -29,18 +29,9 @@ def _all_reduce(x: Tensor, group_name: str) -> Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group_name))
 
 
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group_name: str) -> Tensor:
-        ctx.group_name = group_name
-        return _all_reduce(x, group_name)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _all_reduce(grad, ctx.group_name), None
-
-
 class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient shares over the group."""
+
     @staticmethod
     def forward(ctx, x: Tensor, group_name: str) -> Tensor:
         ctx.group_name = group_name
@@ -49,6 +40,15 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return _all_reduce(grad, ctx.group_name), None
+
+
+class _AllReduceSum(_GradAllReduce):
+    """Sums the forward too; same backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group_name: str) -> Tensor:
+        ctx.group_name = group_name
+        return _all_reduce(x, group_name)
 
 
 class _GradAllReduceBucket(torch.autograd.Function):

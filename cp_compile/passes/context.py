@@ -86,10 +86,6 @@ class RewriteContext:
     def local_len(self) -> int:
         return self.padded_len // self.world
 
-    def local_size(self, global_size: int) -> int:
-        """Per-rank size of a dim of global size outer * S * inner (the sequence factor becomes c)."""
-        return global_size // self.seq_len * self.local_len
-
     def positions(self) -> torch.Tensor:
         """Global positions of this rank's tokens (c,), padding (>= S) included."""
         return rank_positions(self.padded_len, self.world, self.group.rank, self.load_balance)

@@ -39,7 +39,6 @@ def repropagate(gm: fx.GraphModule, fake_inputs: List[Any]) -> fx.GraphModule:
             n.meta["cp_global_val"] = n.meta.pop("example_value")
     try:
         prop = _Prop(gm, mode)
-        prop._mode = mode
         with enable_python_dispatcher():
             prop.propagate_dont_convert_inputs(*fake_inputs)
     except Exception as e:  # metadata only: the compiled result does not depend on it
