@@ -108,7 +108,8 @@ def add_explain_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _report(args: argparse.Namespace, aot: bool = False):
     """(report, None) or (None, exit code) with the message printed to stderr."""
-    from .inspect_graph import InspectError, TargetError, inspect, load_target
+    from .inspect_graph import InspectError, inspect
+    from .targets import TargetError, load_target
     from .passes.context import CPRewriteError
 
     try:

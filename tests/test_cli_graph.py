@@ -16,7 +16,8 @@ import pytest
 
 from cp_compile import cli_graph
 from cp_compile.cli_graph import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
-from cp_compile.inspect_graph import inspect, load_target
+from cp_compile.inspect_graph import inspect
+from cp_compile.targets import load_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(REPO, "examples", "models.py") + ":llama_factory"
