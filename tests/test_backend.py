@@ -28,6 +28,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def _errors(ref_model, ref, cp_model, out) -> tuple:
+    """(loss rel err, max parameter-gradient rel err) of the CP run against the reference."""
+    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    return _rel(out.detach(), ref.detach()), grad_err
+
+
 def _compare(factory: str, kw: dict, options: dict):
     """On every rank: (loss rel err, max grad rel err, #fallbacks, graph summary)."""
     torch._dynamo.reset()
@@ -38,9 +44,7 @@ def _compare(factory: str, kw: dict, options: dict):
     backend = cp_compile.RingCP(inner="aot_eager", **options)
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
     out.backward()
-    grads = {n: p.grad for n, p in cp_model.named_parameters()}
-    grad_err = max(_rel(grads[n], p.grad) for n, p in ref_model.named_parameters())
-    return _rel(out.detach(), ref.detach()), grad_err, len(backend.fallbacks), _summary(backend)
+    return (*_errors(ref_model, ref, cp_model, out), len(backend.fallbacks), _summary(backend))
 
 
 def _summary(backend) -> dict:
@@ -210,8 +214,7 @@ def _graph_break():
     backend = cp_compile.RingCP(inner="aot_eager")
     out = torch.compile(cp_model, backend=backend)(*inputs)
     out.backward()
-    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return _rel(out.detach(), ref.detach()), grad_err, len(backend.graphs)
+    return (*_errors(ref_model, ref, cp_model, out), len(backend.graphs))
 
 
 def test_graph_break_between_layers_stays_exact(ranks):
@@ -237,8 +240,7 @@ def _inductor_twice():
         ref.backward()
         out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="inductor"), fullgraph=True)(*inputs)
         out.backward()
-        grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-        results.append((_rel(out.detach(), ref.detach()), grad_err))
+        results.append(_errors(ref_model, ref, cp_model, out))
     return results
 
 
@@ -273,8 +275,7 @@ def _padded_all_labels_valid(seq_len: int):
     ref.backward()
     out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)(ids, labels)
     out.backward()
-    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return _rel(out.detach(), ref.detach()), grad_err
+    return _errors(ref_model, ref, cp_model, out)
 
 
 def test_padding_rows_never_count_in_the_loss(ranks):
@@ -321,8 +322,7 @@ def _compare_dynamic(factory: str, kw: dict):
     ref.backward()
     out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), dynamic=True)(*inputs)
     out.backward()
-    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return _rel(out.detach(), ref.detach()), grad_err
+    return _errors(ref_model, ref, cp_model, out)
 
 
 @pytest.mark.parametrize(
@@ -404,8 +404,7 @@ def _local_inputs(dynamic):
     except Exception as e:  # Dynamo wraps backend errors
         return f"{type(e).__name__}: {e}"
     out.backward()
-    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return _rel(out.detach(), ref.detach()), grad_err
+    return _errors(ref_model, ref, cp_model, out)
 
 
 def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
