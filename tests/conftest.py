@@ -14,7 +14,14 @@ persistent worker pools (one per world size) that live for the whole session; se
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# No GPU here: the Triton kernels run under Triton's interpreter. It is chosen when a
+# kernel is decorated, so the variable is set before anything imports them; the
+# spawned rank workers inherit it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # tests/ has no __init__.py: pytest (rootdir, prepend import mode) puts tests/ on
 # sys.path, which the spawned workers inherit, so this and the test modules import
