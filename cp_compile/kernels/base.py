@@ -16,8 +16,21 @@ parts), so its contract is small:
   log-sum-exp of these query rows, so the result is this block's exact contribution
   to the gradients. dq: (B, H, Lq, D); dk, dv: (B, H_kv, Lk, D), any float dtype.
 
-Implementations: ``aten`` (:mod:`.aten`), ``reference`` (:mod:`.reference`); the
-Triton kernels plug in by registering under ``"triton"``.
+Implementations: ``aten`` (:mod:`.aten`), ``reference`` (:mod:`.reference`),
+``triton`` (:mod:`.triton`).
+
+A kernel may also fuse the ring's merge: a :class:`StepKernel` (``fuses_merge =
+True``) keeps the running softmax state in fp32 across ring steps and masks by
+*global token positions* instead of the plan's rectangles, so the ring calls it once
+per step on the whole visiting block (see :mod:`cp_compile.ring.fused`):
+
+* ``new_state(q) -> state``; ``forward_step(q, k, v, state, q_pos, k_pos, causal=,
+  scale=, kv_limit=)`` folds the block into ``state`` in place; ``finalize(state,
+  dtype) -> (out, lse)``. Key j is visible to query i iff ``k_pos[j] < kv_limit``
+  and, when causal, ``k_pos[j] <= q_pos[i]`` (positions int32, any order).
+* ``delta(dout, out) -> rowsum(dout * out)`` (fp32, once per backward);
+  ``backward_step(dout, q, k, v, lse, delta, (dq, dk, dv), q_pos, k_pos, causal=,
+  scale=, kv_limit=)`` adds the block's contributions into fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -55,4 +68,33 @@ class BlockKernel(Protocol):
         scale: float,
     ) -> Tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv): this block's contribution given the global ``out`` and ``lse``."""
+        ...
+
+
+class StepKernel(BlockKernel, Protocol):
+    """A block kernel that also fuses the ring merge (see the module docstring)."""
+
+    fuses_merge: bool
+
+    def new_state(self, q: Tensor) -> Tuple[Tensor, ...]:
+        """The empty running state for queries ``q`` (B, H, S_q, D)."""
+        ...
+
+    def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: Tuple[Tensor, ...], q_pos: Tensor,
+                     k_pos: Tensor, *, causal: bool, scale: float, kv_limit: int) -> None:
+        """Fold ``q`` attending to ``k``/``v`` (masked by position) into ``state`` in place."""
+        ...
+
+    def finalize(self, state: Tuple[Tensor, ...], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        """(out in ``dtype``, lse float32) from a running state."""
+        ...
+
+    def delta(self, dout: Tensor, out: Tensor) -> Tensor:
+        """rowsum(dout * out) (B, H, S_q) float32."""
+        ...
+
+    def backward_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+                      grads: Tuple[Tensor, Tensor, Tensor], q_pos: Tensor, k_pos: Tensor, *,
+                      causal: bool, scale: float, kv_limit: int) -> None:
+        """Add this block's (dq, dk, dv) into the fp32 accumulators ``grads`` in place."""
         ...

@@ -5,6 +5,8 @@ rectangles the plan lists for each step (:mod:`.plan`) with the block kernel, an
 keep everything numerically important in fp32: the forward merges each rectangle's
 (out, lse) into fp32 accumulators; the backward uses the *global* out and lse,
 accumulates dQ locally and hands each block's dK/dV to a :class:`.comm.GradSink`.
+Kernels that fuse the merge (``fuses_merge``, e.g. the Triton ones) take the loops
+of :mod:`.fused` instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from .._group import CPGroup
 from ..kernels import BlockKernel
 from .comm import GradSink, kv_blocks
+from .fused import ring_backward_fused, ring_forward_fused
 from .merge import accumulator_dtype, empty_partial, merge_
 from ..layout import rank_positions
 from .plan import ALL, step_segments
@@ -61,6 +64,9 @@ def ring_forward(
     q: (B, H, c, D); k, v: (B, H_kv, c, D) -> out (B, H, c, D) in q.dtype,
     lse (B, H, c) float32 (float64 for float64 inputs).
     """
+    if getattr(kernel, "fuses_merge", False):
+        return ring_forward_fused(q, k, v, causal=causal, scale=scale, group=group, load_balance=load_balance,
+                                  rotate=rotate, kernel=kernel, valid_len=valid_len)
     c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
     acc_out: Optional[Tensor] = None  # (B, H, c, D) acc_dt
     acc_lse: Optional[Tensor] = None  # (B, H, c) acc_dt
@@ -97,6 +103,9 @@ def ring_backward(
 
     dout, q, out: (B, H, c, D); k, v: (B, H_kv, c, D); lse: (B, H, c), the global one.
     """
+    if getattr(kernel, "fuses_merge", False):
+        return ring_backward_fused(dout, q, k, v, out, lse, causal=causal, scale=scale, group=group,
+                                   load_balance=load_balance, rotate=rotate, kernel=kernel, valid_len=valid_len)
     c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
     dq: Optional[Tensor] = None  # (B, H, c, D) acc_dt, stays local
     sink = GradSink(k, acc_dt, group, rotate)

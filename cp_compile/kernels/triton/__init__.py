@@ -1,0 +1,116 @@
+"""Triton ring-attention kernels: fp32 merge inside the kernel, masks by global position.
+
+Unlike the block kernels (:mod:`cp_compile.kernels.base`), which return a per-step
+``(out, lse)`` that the ring merges afterwards, these kernels carry the ring's
+running softmax state (fp32 ``acc``, ``m``, ``l``) across steps and fold each
+visiting block into it inside the kernel (:mod:`.fwd`), and accumulate dQ/dK/dV in
+fp32 buffers in place (:mod:`.bwd`). Masks come from the global positions of the
+query and key rows, so one kernel serves every layout, padding included, and tiles
+with no visible pair are skipped.
+
+The ring loops use the step API (:class:`cp_compile.kernels.base.StepKernel`); the
+plain ``forward``/``backward`` of the block-kernel interface are provided too (one
+step over local positions), so the kernel also works wherever a block kernel is
+expected.
+
+Runs on CUDA (fp16, bf16, fp32; fp32 dots in IEEE precision, not TF32), and on CPU
+only under ``TRITON_INTERPRET=1`` (tests). Head dims up to 256; any S_q, S_k; GQA.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import bwd, fwd
+from .configs import INTERPRET, Tiles
+
+Tensor = torch.Tensor
+State = Tuple[Tensor, Tensor, Tensor]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _positions(n: int, device: torch.device) -> Tensor:
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
+class TritonKernel:
+    """The ``"triton"`` kernel (see the module docstring). ``tiles`` fixes the tile sizes
+    (tests, benchmarks); by default the GPU autotunes and the interpreter uses 32 x 32."""
+
+    name = "triton"
+    fuses_merge = True
+
+    def __init__(self, tiles: Optional[Tiles] = None) -> None:
+        self.tiles = tiles
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if dtype not in DTYPES:
+            return False
+        return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Why :meth:`supports` said no, and the fix."""
+        if dtype not in DTYPES:
+            return (f"the Triton kernels take float16, bfloat16 or float32, not {dtype}. "
+                    "Fix: cast q/k/v, or use kernel='aten' (CPU float64) or 'reference'.")
+        return (f"the Triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1, for tests), not on {device.type}. "
+                "Fix: use kernel='aten' on CPU.")
+
+    # ---- step API: what the ring loops call --------------------------------------
+    def new_state(self, q: Tensor) -> State:
+        _check_head_dim(q)
+        return fwd.new_state(q)
+
+    def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: State, q_pos: Tensor, k_pos: Tensor, *,
+                     causal: bool, scale: float, kv_limit: int = fwd.NO_LIMIT,
+                     counter: Optional[Tensor] = None) -> None:
+        fwd.forward_step(q, k, v, state, q_pos, k_pos, causal=causal, scale=scale, kv_limit=kv_limit,
+                         counter=counter, tiles=self.tiles)
+
+    def finalize(self, state: State, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        return fwd.finalize(state, dtype)
+
+    def delta(self, dout: Tensor, out: Tensor) -> Tensor:
+        return bwd.delta(dout, out)
+
+    def backward_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dlt: Tensor,
+                      grads: State, q_pos: Tensor, k_pos: Tensor, *, causal: bool, scale: float,
+                      kv_limit: int = fwd.NO_LIMIT, counter: Optional[Tensor] = None) -> None:
+        bwd.backward_step(dout, q, k, v, lse, dlt, grads, q_pos, k_pos, causal=causal, scale=scale,
+                          kv_limit=kv_limit, counter=counter, tiles=self.tiles)
+
+    # ---- block-kernel API: one step over local positions --------------------------
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+        state = self.new_state(q)
+        self.forward_step(q, k, v, state, _positions(q.shape[2], q.device), _positions(k.shape[2], k.device),
+                          causal=causal, scale=scale)
+        return self.finalize(state, q.dtype)
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+                 causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+        grads = zero_grads(q, k)
+        self.backward_step(dout, q, k, v, lse, self.delta(dout, out), grads,
+                           _positions(q.shape[2], q.device), _positions(k.shape[2], k.device),
+                           causal=causal, scale=scale)
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
+
+
+def zero_grads(q: Tensor, k: Tensor) -> State:
+    """fp32 zero accumulators (dq like q, dk and dv like k)."""
+    z = lambda t: torch.zeros(t.shape, dtype=torch.float32, device=t.device)  # noqa: E731
+    return z(q), z(k), z(k)
+
+
+def _check_head_dim(q: Tensor) -> None:
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(
+            f"cp_compile: the Triton kernels support head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}. "
+            "Fix: use kernel='aten'."
+        )
+
+
+__all__ = ["TritonKernel", "Tiles", "zero_grads"]

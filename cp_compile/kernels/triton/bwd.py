@@ -1,0 +1,206 @@
+"""Backward ring-step kernels: one visiting K/V block's exact gradient contributions.
+
+Math (DESIGN.md §1). With the *global* (fully merged) output O and log-sum-exp of the
+query rows, the probabilities of this block are exact without any other block:
+``P = exp(S·scale - lse)`` (masked entries 0). With ``Δ = rowsum(dO ⊙ O)``
+(:func:`delta`, once per backward)::
+
+    dV += Pᵀ dO          dS = P ⊙ (dO Vᵀ - Δ)
+    dK += scale dSᵀ Q    dQ += scale dS K
+
+Two kernels, each owning its output tile so there are no atomics and the sums are in
+a fixed order (bit-reproducible):
+
+* ``_bwd_dkdv``: a program owns BLOCK_N keys of one K/V head and streams the query
+  tiles of *every query head of its GQA group*, so dK/dV come out already summed over
+  the group. It adds into the fp32 accumulators DK, DV (B, H_kv, S_k, D) that the
+  ring sends on to the block's owner.
+* ``_bwd_dq``: a program owns BLOCK_M query rows of one head and streams the key
+  tiles; it adds into the fp32 DQ (B, H, S_q, D) that stays on this rank.
+
+Masking and tile skipping are the forward's (:mod:`.fwd`): by global positions, with
+``kv_limit`` marking padding. Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
+Q, K, V, dO: (B, H(_kv), S, D) any strides; DQ, DK, DV fp32 contiguous; LSE, DELTA
+(B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import BWD_KV_CONFIGS, BWD_Q_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
+from .fwd import LOG2E, NO_LIMIT, cast, dot
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _probs(q, k, lse2, q_pos, k_pos, kv_limit, qk_scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
+    """P (BLOCK_M, BLOCK_N) fp32 of one tile: 2^(t - lse·log2 e) where visible, else 0."""
+    t = dot(q, tl.trans(k), INTERP) * qk_scale
+    visible = (k_pos < kv_limit)[None, :] & (lse2 > float("-inf"))[:, None]
+    if CAUSAL:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    lse_ref = tl.where(lse2 > float("-inf"), lse2, 0.0)
+    return tl.where(visible, tl.math.exp2(t - lse_ref[:, None]), 0.0)
+
+
+@triton.jit
+def _bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS,
+    s_qb, s_qh, s_qm, s_qd,
+    s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd,
+    s_ob, s_oh, s_om, s_od,
+    H, S_q, S_k, D, kv_limit, qk_scale, scale,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)  # b * H_kv + hk
+    h_kv = H // GROUP
+    b = pid_bk // h_kv
+    hk = pid_bk % h_kv
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < S_k
+    d_ok = offs_d < D
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)  # (BLOCK_N,)
+    k_min = tl.min(k_pos, axis=0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    if k_min < kv_limit:
+        k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            for start_m in range(0, S_q, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < S_q
+                q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)  # (BLOCK_M,)
+                live = k_min < 2147483647
+                if CAUSAL:
+                    live = k_min <= tl.max(q_pos, axis=0)
+                if live:
+                    qd_mask = m_ok[:, None] & d_ok[None, :]
+                    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
+                    do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
+                    row = (b * H + h) * S_q + offs_m
+                    lse2 = tl.load(LSE + row, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+                    delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+                    p = _probs(q, k, lse2, q_pos, k_pos, kv_limit, qk_scale, CAUSAL, INTERP)  # (BLOCK_M, BLOCK_N)
+                    dv += dot(tl.trans(cast(p, do.dtype, INTERP)), do, INTERP)
+                    dp = dot(do, tl.trans(v), INTERP)  # (BLOCK_M, BLOCK_N)
+                    ds = p * (dp - delta[:, None])
+                    dk += dot(tl.trans(cast(ds, q.dtype, INTERP)), q, INTERP)
+        acc_off = (pid_bk * S_k + offs_n)[:, None] * D + offs_d[None, :]
+        tl.store(DK + acc_off, tl.load(DK + acc_off, mask=kv_mask, other=0.0) + dk * scale, mask=kv_mask)
+        tl.store(DV + acc_off, tl.load(DV + acc_off, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, COUNTER,
+    s_qb, s_qh, s_qm, s_qd,
+    s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd,
+    s_ob, s_oh, s_om, s_od,
+    H, S_q, S_k, D, kv_limit, qk_scale, scale,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * H + h
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < S_q
+    d_ok = offs_d < D
+    qd_mask = m_ok[:, None] & d_ok[None, :]
+    q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)
+    q_max = tl.max(q_pos, axis=0)
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
+    do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
+    row = pid_bh * S_q + offs_m
+    lse2 = tl.load(LSE + row, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start_n in range(0, S_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S_k
+        k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)
+        k_min = tl.min(k_pos, axis=0)
+        live = k_min < kv_limit
+        if CAUSAL:
+            live = live & (k_min <= q_max)
+        if live:
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
+            v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+            p = _probs(q, k, lse2, q_pos, k_pos, kv_limit, qk_scale, CAUSAL, INTERP)
+            dp = dot(do, tl.trans(v), INTERP)
+            ds = p * (dp - delta[:, None])
+            dq += dot(cast(ds, k.dtype, INTERP), k, INTERP)
+            if COUNT:
+                tl.atomic_add(COUNTER, 1)
+    acc_off = row[:, None] * D + offs_d[None, :]
+    tl.store(DQ + acc_off, tl.load(DQ + acc_off, mask=qd_mask, other=0.0) + dq * scale, mask=qd_mask)
+
+
+_bwd_dkdv_tuned = triton.autotune(BWD_KV_CONFIGS, key=KEY, restore_value=["DK", "DV"])(_bwd_dkdv)
+_bwd_dq_tuned = triton.autotune(BWD_Q_CONFIGS, key=KEY, restore_value=["DQ", "COUNTER"])(_bwd_dq)
+
+
+def delta(dout: Tensor, out: Tensor) -> Tensor:
+    """Δ = rowsum(dO ⊙ O) in fp32: (B, H, S_q, D) x2 -> (B, H, S_q), contiguous."""
+    return (dout.float() * out.float()).sum(-1).contiguous()
+
+
+def backward_step(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    dlt: Tensor,
+    grads: Tuple[Tensor, Tensor, Tensor],
+    q_pos: Tensor,
+    k_pos: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    kv_limit: int = NO_LIMIT,
+    counter: Optional[Tensor] = None,
+    tiles: Optional[Tiles] = None,
+) -> None:
+    """Add this block's (dQ, dK, dV) contributions into ``grads`` = (dq, dk, dv) fp32, in place.
+
+    dout, q: (B, H, S_q, D); k, v: (B, H_kv, S_k, D); lse, dlt: (B, H, S_q) fp32 (global
+    lse, :func:`delta`); dq (B, H, S_q, D), dk/dv (B, H_kv, S_k, D) fp32 contiguous.
+    ``counter`` counts the dQ kernel's computed tiles (tests).
+    """
+    dq, dk, dv = grads
+    b, h, s_q, d = q.shape
+    h_kv, s_k = k.shape[1], k.shape[2]
+    lse = lse.float().contiguous()
+    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), h, s_q, s_k, d, kv_limit, scale * LOG2E, scale)
+    consts = dict(GROUP=h // h_kv, CAUSAL=causal, INTERP=INTERPRET, BLOCK_D=padded_head_dim(d))
+    kv_grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
+    q_grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731
+    kv_args = (q, k, v, dout, lse, dlt, dk, dv, q_pos, k_pos, *common)
+    q_args = (q, k, v, dout, lse, dlt, dq, q_pos, k_pos, counter if counter is not None else q_pos, *common)
+    fixed = fixed_tiles(tiles)
+    if fixed is None:
+        _bwd_dkdv_tuned[kv_grid](*kv_args, **consts)
+        _bwd_dq_tuned[q_grid](*q_args, **consts, COUNT=counter is not None)
+        return
+    tile = dict(BLOCK_M=fixed.block_m, BLOCK_N=fixed.block_n)
+    _bwd_dkdv[kv_grid](*kv_args, **consts, **tile)
+    _bwd_dq[q_grid](*q_args, **consts, **tile, COUNT=counter is not None)

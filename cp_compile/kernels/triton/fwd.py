@@ -1,0 +1,220 @@
+"""Forward ring-step kernel: one visiting K/V block merged into fp32 accumulators in place.
+
+Math (DESIGN.md §1). For a query row with scores ``s_j = scale · q·k_j`` over the keys
+seen so far, the running state is, in base 2 (``t_j = s_j · log2 e``)::
+
+    m = max_j t_j                      (M, float32; -inf before any key)
+    l = Σ_j 2^(t_j - m)                (L, float32)
+    acc = Σ_j 2^(t_j - m) · v_j        (ACC, float32, un-normalised)
+
+A step streams the visiting block in BLOCK_N-key tiles and updates the state with the
+online-softmax recurrence (``α = 2^(m_old - m_new)``: ``l ← α l + Σ p``,
+``acc ← α acc + p·V``), which *is* the exact merge of this block's partial result
+with all earlier ones, done in fp32 registers: no per-step output is ever rounded to
+the input dtype. :func:`finalize` turns the state into ``out = acc / l`` and
+``lse = (m + log2 l) · ln 2``; a row that saw no key gets out = 0, lse = -inf.
+
+Masking is by *global token position*: key j is visible to query i iff
+``kpos[j] < kv_limit`` and, when causal, ``kpos[j] <= qpos[i]``. This one rule gives
+every layout's pattern (zig-zag halves, striped diagonal in/excluded, padding at the
+end).
+
+Precision: Q·Kᵀ and P·V take their operands in the input dtype (tensor cores) and
+accumulate in fp32; P is rounded to the input dtype for P·V, as in every flash
+kernel (measured: the bf16 output error then equals PyTorch's CPU flash kernel's). A tile whose every pair is masked (``min kpos > max qpos`` or
+``min kpos >= kv_limit``) is skipped before any Q/K/V data is loaded for it.
+
+Shapes: Q (B, H, S_q, D); K, V (B, H_kv, S_k, D), query head h reads K/V head
+h // GROUP with GROUP = H / H_kv (no K/V copy); ACC (B, H, S_q, D) fp32 contiguous;
+M, L (B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import FWD_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
+
+Tensor = torch.Tensor
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+NO_LIMIT = 2**31 - 1  # kv_limit meaning "no padding"
+
+
+@triton.jit
+def dot(a, b, INTERP: tl.constexpr):
+    """a @ b with fp32 accumulation (fp32 inputs in IEEE precision, never TF32).
+
+    Triton's interpreter mis-multiplies bfloat16 tiles, so under it the operands are
+    widened to fp32 first. That is what the GPU computes: products of two bf16/fp16
+    values are exact in fp32 and tensor cores accumulate in fp32.
+    """
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 ``x`` to ``dtype``, rounding to nearest even as the GPU does.
+
+    Triton's interpreter truncates fp32 -> bf16, which would double every bf16
+    rounding error in the CPU tests, so there the rounding is done by hand on the bits
+    (add half an ulp, ties to even, then cut; finite values only).
+    """
+    if INTERP and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _fwd_step(
+    Q, K, V, ACC, M, L, QPOS, KPOS, COUNTER,
+    s_qb, s_qh, s_qm, s_qd,
+    s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd,
+    H, S_q, S_k, D, kv_limit, qk_scale,  # qk_scale = scale * log2(e)
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * H + h
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < S_q
+    d_ok = offs_d < D
+    q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)  # (BLOCK_M,)
+    q_max = tl.max(q_pos, axis=0)
+
+    row = pid_bh * S_q + offs_m  # row index into the contiguous (B*H*S_q) state
+    m_i = tl.load(M + row, mask=m_ok, other=float("-inf"))  # (BLOCK_M,) log2 units
+    l_i = tl.load(L + row, mask=m_ok, other=0.0)
+    acc_ptrs = ACC + row[:, None] * D + offs_d[None, :]
+    acc = tl.load(acc_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D) fp32
+    q = tl.load(
+        Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_vb + hk * s_vh
+
+    for start_n in range(0, S_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S_k
+        k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)  # (BLOCK_N,)
+        k_min = tl.min(k_pos, axis=0)
+        live = k_min < kv_limit
+        if CAUSAL:
+            live = live & (k_min <= q_max)
+        if live:
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
+            t = dot(q, tl.trans(k), INTERP) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+            visible = (k_pos < kv_limit)[None, :]
+            if CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            t = tl.where(visible, t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(t, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows still keyless: no -inf - -inf
+            p = tl.math.exp2(t - m_ref[:, None])  # (BLOCK_M, BLOCK_N), masked -> 0
+            alpha = tl.math.exp2(m_i - m_ref)
+            v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP), v, INTERP)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            if COUNT:
+                tl.atomic_add(COUNTER, 1)
+
+    tl.store(M + row, m_i, mask=m_ok)
+    tl.store(L + row, l_i, mask=m_ok)
+    tl.store(acc_ptrs, acc, mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _finalize(ACC, M, L, OUT, LSE, n_rows, D, INTERP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = acc / l (0 where l == 0), lse = (m + log2 l) ln 2 (-inf where l == 0)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_ok = rows < n_rows
+    mask = r_ok[:, None] & (offs_d < D)[None, :]
+    m = tl.load(M + rows, mask=r_ok, other=0.0)
+    l = tl.load(L + rows, mask=r_ok, other=0.0)
+    seen = l > 0.0
+    l_safe = tl.where(seen, l, 1.0)
+    acc = tl.load(ACC + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+    out = acc / l_safe[:, None]
+    tl.store(OUT + rows[:, None] * D + offs_d[None, :], cast(out, OUT.dtype.element_ty, INTERP), mask=mask)
+    lse = tl.where(seen, (m + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + rows, lse, mask=r_ok)
+
+
+_fwd_step_tuned = triton.autotune(FWD_CONFIGS, key=KEY, restore_value=["ACC", "M", "L", "COUNTER"])(_fwd_step)
+
+
+def new_state(q: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The empty running state for queries q (B, H, S_q, D): acc 0, m -inf, l 0 (all fp32)."""
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, S_q, D)
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, S_q)
+    l = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+    return acc, m, l
+
+
+def forward_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Tuple[Tensor, Tensor, Tensor],
+    q_pos: Tensor,
+    k_pos: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    kv_limit: int = NO_LIMIT,
+    counter: Optional[Tensor] = None,
+    tiles: Optional[Tiles] = None,
+) -> None:
+    """Merge ``q`` attending to the block ``k``/``v`` into ``state`` (from :func:`new_state`) in place.
+
+    q: (B, H, S_q, D); k, v: (B, H_kv, S_k, D); q_pos (S_q,), k_pos (S_k,) int32 global
+    positions. ``counter`` (int32 (1,)) counts the tiles computed, for tests.
+    """
+    acc, m, l = state
+    b, h, s_q, d = q.shape
+    s_k = k.shape[2]
+    grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731
+    args = (
+        q, k, v, acc, m, l, q_pos, k_pos, counter if counter is not None else q_pos,
+        *q.stride(), *k.stride(), *v.stride(),
+        h, s_q, s_k, d, kv_limit, scale * LOG2E,
+    )
+    consts = dict(GROUP=h // k.shape[1], CAUSAL=causal, COUNT=counter is not None, INTERP=INTERPRET,
+                  BLOCK_D=padded_head_dim(d))
+    fixed = fixed_tiles(tiles)
+    if fixed is None:
+        _fwd_step_tuned[grid](*args, **consts)
+    else:
+        _fwd_step[grid](*args, **consts, BLOCK_M=fixed.block_m, BLOCK_N=fixed.block_n)
+
+
+def finalize(state: Tuple[Tensor, Tensor, Tensor], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """(out (B, H, S_q, D) in ``dtype``, lse (B, H, S_q) float32 natural log) from a running state."""
+    acc, m, l = state
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    lse = torch.empty(m.shape, dtype=torch.float32, device=acc.device)
+    n_rows, d = m.numel(), acc.shape[-1]
+    block_r = 32
+    _finalize[(triton.cdiv(n_rows, block_r),)](
+        acc, m, l, out, lse, n_rows, d, INTERP=INTERPRET, BLOCK_R=block_r, BLOCK_D=padded_head_dim(d)
+    )
+    return out, lse

@@ -1,0 +1,165 @@
+"""The Triton ring-step kernels under ``TRITON_INTERPRET=1`` (set in conftest) against fp64 math.
+
+What is checked (issue 4; DESIGN.md §1, §4):
+
+- forward (out, lse) and backward (dq, dk, dv) of one step, for causal / non-causal,
+  each layout's position patterns (every (rank, visiting rank) pair of zig-zag,
+  striped and contiguous at N = 4), GQA / MQA, head dims 16, 24, 64, 80, 128,
+  S_q != S_k, padding (``kv_limit``) and fully masked blocks: fp32 <= 1e-5 relative
+  to fp64 math; rows that see no key give out = 0, lse = -inf, zero gradients, no NaN;
+- bf16 and fp16: error vs fp64 within 2x the aten kernel's on the same inputs;
+- several steps merged in-kernel equal one attention over the concatenated blocks, and
+  the bf16 error does not grow with the number of steps (N = 2, 4, 8), while a merge
+  of bf16-rounded per-step results outside the kernel does;
+- tile skipping is real: the number of tiles computed equals the number of tiles with
+  at least one visible (query, key) pair;
+- float64 and too-large head dims are refused with errors naming the fix.
+
+Error metric: norm-wise relative error ||a - b|| / ||b|| in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_compile.kernels import get_kernel
+from cp_compile.kernels.triton import Tiles, TritonKernel, zero_grads
+from cp_compile.layout import rank_positions
+
+T16 = Tiles(16, 16)  # small tiles: several per block, partial last tiles
+FP32_RTOL = 1e-5
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = b.norm()
+    return ((a - b).norm() / den).item() if den > 0 else (a - b).norm().item()
+
+
+def inputs(b, h, hkv, sq, sk, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return mk(b, h, sq, d), mk(b, hkv, sk, d), mk(b, hkv, sk, d), mk(b, h, sq, d)
+
+
+def reference(q, k, v, dout, q_pos, k_pos, *, causal, scale, kv_limit=2**31 - 1):
+    """fp64 (out, lse, dq, dk, dv) of position-masked attention; keyless rows: out 0, lse -inf."""
+    q, k, v, dout = (t.detach().double().requires_grad_() for t in (q, k, v, dout))
+    rep = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    visible = (k_pos[None, :] < kv_limit).expand(len(q_pos), -1)
+    if causal:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    s = (q @ ke.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # (B, H, Sq, Sk)
+    lse = torch.logsumexp(s, -1)  # -inf for keyless rows
+    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    out = p @ ve
+    out.backward(dout)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def run(kernel, q, k, v, dout, q_pos, k_pos, *, causal, scale, kv_limit=2**31 - 1, lse_for_bwd=None, out_for_bwd=None):
+    """One forward step + finalize and one backward step; (out, lse, dq, dk, dv), fp32 grads."""
+    q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
+    state = kernel.new_state(q)
+    kernel.forward_step(q, k, v, state, q_pos, k_pos, causal=causal, scale=scale, kv_limit=kv_limit)
+    out, lse = kernel.finalize(state, q.dtype)
+    grads = zero_grads(q, k)
+    o_b = out if out_for_bwd is None else out_for_bwd
+    l_b = lse if lse_for_bwd is None else lse_for_bwd
+    kernel.backward_step(dout, q, k, v, l_b, kernel.delta(dout, o_b), grads, q_pos, k_pos,
+                         causal=causal, scale=scale, kv_limit=kv_limit)
+    return (out, lse, *grads)
+
+
+def check_fp32(got, want, what):
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, g, w in zip(names, got, want):
+        assert not g.isnan().any(), f"{what}: {name} has NaN"
+        if name == "lse":
+            assert torch.equal(g.isinf(), w.isinf()), f"{what}: keyless rows differ"
+            g, w = g[~w.isinf()], w[~w.isinf()]
+        assert relerr(g, w) <= FP32_RTOL, f"{what}: {name} rel err {relerr(g, w):.3g}"
+
+
+@pytest.mark.parametrize("d", [16, 24, 64, 80, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_step_matches_fp64(d, causal):
+    """Plain causal / non-causal attention over local positions, MHA and GQA, every head dim."""
+    h, hkv = (4, 2) if d % 16 else (2, 2)
+    q, k, v, dout = inputs(1, h, hkv, 48, 48, d, seed=d)
+    pos = torch.arange(48)
+    want = reference(q, k, v, dout, pos, pos, causal=causal, scale=d**-0.5)
+    got = run(TritonKernel(T16), q, k, v, dout, pos, pos, causal=causal, scale=d**-0.5)
+    check_fp32(got, want, f"d={d} causal={causal}")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
+def test_every_layout_step_matches_fp64(layout):
+    """Every (rank, visiting block) pair of a 4-rank causal ring, by global positions; MQA, B=2."""
+    n, s, d = 4, 128, 24
+    kern = TritonKernel(T16)
+    for rank in range(n):
+        for src in range(n):
+            q_pos, k_pos = rank_positions(s, n, rank, layout), rank_positions(s, n, src, layout)
+            q, k, v, dout = inputs(2, 4, 1, s // n, s // n, d, seed=10 * rank + src)
+            want = reference(q, k, v, dout, q_pos, k_pos, causal=True, scale=0.3)
+            got = run(kern, q, k, v, dout, q_pos, k_pos, causal=True, scale=0.3)
+            check_fp32(got, want, f"{layout} rank {rank} src {src}")
+
+
+def test_mixed_lengths_padding_and_masked_blocks():
+    """S_q != S_k, padding keys cut by kv_limit, and a block whose keys are all invisible."""
+    kern = TritonKernel(T16)
+    q, k, v, dout = inputs(1, 4, 2, 40, 72, 24, seed=3)
+    q_pos, k_pos = torch.arange(100, 140), torch.arange(0, 144, 2)
+    for causal, limit in ((False, 2**31 - 1), (False, 90), (True, 2**31 - 1), (True, 50)):
+        want = reference(q, k, v, dout, q_pos, k_pos, causal=causal, scale=0.2, kv_limit=limit)
+        got = run(kern, q, k, v, dout, q_pos, k_pos, causal=causal, scale=0.2, kv_limit=limit)
+        check_fp32(got, want, f"causal={causal} kv_limit={limit}")
+    # Every key after every query: the block is skipped, rows stay keyless.
+    out, lse, dq, dk, dv = run(kern, q, k, v, dout, torch.arange(40), torch.arange(500, 572), causal=True,
+                               scale=0.2, lse_for_bwd=torch.full((1, 4, 40), float("-inf")),
+                               out_for_bwd=torch.zeros(1, 4, 40, 24))
+    assert torch.equal(out, torch.zeros_like(out)) and lse.isneginf().all()
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in (dq, dk, dv))
+
+
+def test_rows_without_keys_mid_block():
+    """Some rows see keys and some do not (causal, keys start mid-query-range): no NaN."""
+    q, k, v, dout = inputs(1, 2, 2, 32, 32, 16, seed=5)
+    q_pos, k_pos = torch.arange(32), torch.arange(20, 52)
+    want = reference(q, k, v, dout, q_pos, k_pos, causal=True, scale=0.25)
+    got = run(TritonKernel(T16), q, k, v, dout, q_pos, k_pos, causal=True, scale=0.25,
+              lse_for_bwd=want[1], out_for_bwd=want[0])
+    check_fp32(got, want, "rows without keys")
+    assert got[1][..., :20].isneginf().all() and torch.equal(got[0][..., :20, :], torch.zeros(1, 2, 20, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_within_2x_of_aten(dtype, causal):
+    q, k, v, dout = inputs(2, 4, 2, 64, 64, 64, dtype=dtype, seed=7)
+    pos = torch.arange(64)
+    want = reference(q, k, v, dout, pos, pos, causal=causal, scale=0.125)
+    aten, tri = get_kernel("aten", q.device, dtype), TritonKernel(T16)
+    a_out, a_lse = aten.forward(q, k, v, causal=causal, scale=0.125)
+    a_grads = aten.backward(dout, q, k, v, a_out, a_lse, causal=causal, scale=0.125)
+    t_out, t_lse, *t_grads = run(tri, q, k, v, dout, pos, pos, causal=causal, scale=0.125)
+    # Both backwards from their own forward's out/lse, as in training.
+    for name, t, a, w in zip(("out", "dq", "dk", "dv"), (t_out, *t_grads), (a_out, *a_grads), (want[0], *want[2:])):
+        te, ae = relerr(t.to(dtype), w), relerr(a, w)
+        assert te <= 2 * ae, f"{dtype} {name}: triton {te:.3g} vs aten {ae:.3g}"
+    assert relerr(t_lse, want[1]) <= 2 * max(relerr(a_lse, want[1]), 1e-6)
+
+
+def test_dtypes_and_head_dims_refused_with_fix():
+    kern = TritonKernel()
+    assert not kern.supports(torch.device("cpu"), torch.float64)
+    with pytest.raises(ValueError, match="kernel 'triton'.*float64.*Fix"):
+        get_kernel("triton", torch.device("cpu"), torch.float64)
+    with pytest.raises(ValueError, match="head dims up to 256.*Fix"):
+        kern.new_state(torch.zeros(1, 1, 16, 320))
+    with pytest.raises(ValueError, match="powers of two >= 16"):
+        Tiles(8, 16)
