@@ -163,3 +163,18 @@ def test_dtypes_and_head_dims_refused_with_fix():
         kern.new_state(torch.zeros(1, 1, 16, 320))
     with pytest.raises(ValueError, match="powers of two >= 16"):
         Tiles(8, 16)
+
+
+def test_benchmark_flop_count_and_dry_run(capsys):
+    """The micro-benchmark counts visible pairs exactly and its harness runs (interpreter)."""
+    from cp_compile.kernels.triton import bench
+
+    for rank, src in ((0, 0), (0, 3), (2, 1)):
+        q_pos, k_pos = rank_positions(64, 4, rank, "zigzag"), rank_positions(64, 4, src, "zigzag")
+        brute = int((k_pos[None, :] <= q_pos[:, None]).sum())
+        assert bench.visible_pairs(q_pos, k_pos, True) == brute
+    assert bench.step_flops(1, 2, 64, 100) == (4 * 2 * 64 * 100, 2.5 * 4 * 2 * 64 * 100)
+    bench.main(["--seq-len", "64", "--world-size", "2", "--heads", "1", "--kv-heads", "1",
+                "--head-dim", "16", "--reps", "1", "--cpu-scale", "1"])
+    out = capsys.readouterr().out
+    assert "interpreter dry run" in out and out.count("rank") >= 2

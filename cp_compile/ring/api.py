@@ -12,6 +12,7 @@ from .._group import resolve_group
 from ..config import RingOptions
 from ..kernels import get_kernel
 from ..layout import check_seq_len
+from .agree import check_device
 
 Tensor = torch.Tensor
 
@@ -70,6 +71,7 @@ def ring_attention(
     load_balance: str = "zigzag",
     rotate: str = "p2p",
     kernel: str = "auto",
+    timeout: Optional[float] = None,
 ) -> Tensor:
     """Exact attention over a sequence split across the ranks of a CP group.
 
@@ -83,7 +85,11 @@ def ring_attention(
             with a dim named "cp").
         load_balance: "zigzag" | "striped" | "contiguous" (must match the sharding).
         rotate: "p2p" (double-buffered ring) | "allgather".
-        kernel: "auto" | "aten" | "reference" | a registered kernel name.
+        kernel: "auto" (CUDA: "triton" if installed; else "aten") | "aten" | "triton"
+            | "reference" | a registered kernel name.
+        timeout: seconds each wait for a peer may take before the op raises
+            ``cp_compile.ring.faults.RingCommError`` naming the peer, ring step and
+            direction; None (default): the process group's own timeout.
 
     Returns:
         (B, H, S_local, D): this rank's rows of softmax(q kᵀ · scale + mask) v over the
@@ -91,9 +97,10 @@ def ring_attention(
         of size 1 this is ``F.scaled_dot_product_attention``.
     """
     _check_tensors(q, k, v)
-    opts = RingOptions(load_balance=load_balance, rotate=rotate, kernel=kernel)
+    opts = RingOptions(load_balance=load_balance, rotate=rotate, kernel=kernel, timeout=timeout)
     g = resolve_group(group)
     check_seq_len(q.shape[2] * g.size, g.size, opts.load_balance)
+    check_device(g, q.device)  # a device the group cannot move: fail here, on every rank
     get_kernel(opts.kernel, q.device, q.dtype)  # unknown or unsupported kernel: fail here, on every rank
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if g.size == 1:
@@ -101,6 +108,7 @@ def ring_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
     out, _ = torch.ops.cp_compile.ring_attention_fwd(
-        q, k, v, bool(causal), scale, g.name, opts.load_balance, opts.rotate, opts.kernel
+        q, k, v, bool(causal), scale, g.name, opts.load_balance, opts.rotate, opts.kernel,
+        timeout=opts.timeout or -1.0,
     )
     return out
