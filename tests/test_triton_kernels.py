@@ -3,8 +3,8 @@
 What is checked (issue 4; DESIGN.md §1, §4):
 
 - forward (out, lse) and backward (dq, dk, dv) of one step, for causal / non-causal,
-  each layout's position patterns (every (rank, visiting rank) pair of zig-zag,
-  striped and contiguous at N = 4), GQA / MQA, head dims 16, 24, 64, 80, 128,
+  each layout's position patterns (ranks 1 and 2 of zig-zag, striped and contiguous
+  at N = 4 against every visiting block), GQA / MQA, head dims 16, 24, 64, 80, 128,
   S_q != S_k, padding (``kv_limit``) and fully masked blocks: fp32 <= 1e-5 relative
   to fp64 math; rows that see no key give out = 0, lse = -inf, zero gradients, no NaN;
 - bf16 and fp16: error vs fp64 within 2x the aten kernel's on the same inputs;
@@ -97,13 +97,14 @@ def test_local_step_matches_fp64(d, causal):
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
 def test_every_layout_step_matches_fp64(layout):
-    """Every (rank, visiting block) pair of a 4-rank causal ring, by global positions; MQA, B=2."""
+    """Ranks 1 and 2 of a 4-rank causal ring against every visiting block (lower, own and
+    higher ranks: every mask kind of the layout), by global positions; MQA, B=2."""
     n, s, d = 4, 128, 24
     kern = TritonKernel(T16)
-    for rank in range(n):
+    for rank in (1, 2):
         for src in range(n):
             q_pos, k_pos = rank_positions(s, n, rank, layout), rank_positions(s, n, src, layout)
-            q, k, v, dout = inputs(2, 4, 1, s // n, s // n, d, seed=10 * rank + src)
+            q, k, v, dout = inputs(2, 2, 1, s // n, s // n, d, seed=10 * rank + src)
             want = reference(q, k, v, dout, q_pos, k_pos, causal=True, scale=0.3)
             got = run(kern, q, k, v, dout, q_pos, k_pos, causal=True, scale=0.3)
             check_fp32(got, want, f"{layout} rank {rank} src {src}")
