@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ._group import resolve_group
-from .config import LOAD_BALANCES, ROTATES, check_choice
+from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
 from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
 from .passes.rewrite import rewrite_graph
@@ -45,6 +45,7 @@ class BackendOptions:
     grad_sync: str = "allreduce"
     strict: bool = False
     inner: str = "inductor"
+    timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_choice("load_balance", self.load_balance, LOAD_BALANCES)
@@ -53,6 +54,7 @@ class BackendOptions:
         check_choice("outputs", self.outputs, ("full", "local"))
         check_choice("grad_sync", self.grad_sync, ("allreduce", "none"))
         check_choice("inner", self.inner, INNER)
+        check_timeout(self.timeout)
         if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
             raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
 
@@ -77,9 +79,14 @@ class RingCP:
         self.graphs: List[fx.GraphModule] = []  # rewritten graphs, for inspection
         self.fallbacks: List[str] = []  # every gather to the full sequence, with its source line
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> Callable:
-        opts = self.options
-        inner = _inner_compiler(opts.inner)
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: List[torch.Tensor], mode: Optional[str] = None,
+        options: Optional[Dict[str, Any]] = None,
+    ) -> Callable:
+        """Compile one Dynamo graph. ``mode`` (``torch.compile(mode=...)``) goes to the inner
+        Inductor; ``options`` (``torch.compile(options=...)``) override this backend's options."""
+        opts = _merge_options(self.options, options)
+        inner = _with_mode(_inner_compiler(opts.inner), opts.inner, mode)
         group = resolve_group(opts.mesh)
         if group.size == 1:
             log.info("cp_compile: CP group of size 1 (or no process group): compiling the graph unchanged")
@@ -91,9 +98,54 @@ class RingCP:
         if new_gm is None:
             log.info("cp_compile: no attention in this graph: compiling it unchanged")
             return inner(gm, example_inputs)
+        _set_ring_timeout(new_gm, opts.timeout)
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)
         return _hand_off(opts.inner, inner, new_gm, example_inputs)
+
+
+def _merge_options(base: BackendOptions, options: Optional[Dict[str, Any]]) -> BackendOptions:
+    """``base`` with ``options`` (from ``torch.compile(backend=RingCP(...), options=...)``) applied."""
+    if not options:
+        return base
+    unknown = sorted(set(options) - set(BackendOptions.__dataclass_fields__))
+    if unknown:
+        raise ValueError(
+            f"cp_compile: unknown ring_cp options {unknown}. Fix: use "
+            f"{', '.join(sorted(BackendOptions.__dataclass_fields__))}."
+        )
+    return replace(base, **options)
+
+
+def _with_mode(inner: Callable, name: str, mode: Optional[str]) -> Callable:
+    """Apply ``torch.compile(mode=...)`` to the inner compiler: Inductor's settings for that
+    mode; the debugging compilers have none, so they ignore it (with a warning)."""
+    if mode in (None, "default"):
+        return inner
+    if name != "inductor":
+        log.warning("cp_compile: mode=%r is an Inductor setting; inner=%r ignores it", mode, name)
+        return inner
+    from torch._inductor import list_mode_options
+
+    patches = dict(list_mode_options(mode))  # raises for an unknown mode, naming the valid ones
+
+    def compile_with_mode(gm: fx.GraphModule, example_inputs: List[torch.Tensor], **kwargs: Any) -> Callable:
+        kwargs["config_patches"] = {**patches, **kwargs.get("config_patches", {})}
+        return inner(gm, example_inputs, **kwargs)
+
+    return compile_with_mode
+
+
+def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
+    """Give every ring op of the rewritten graph the backend's ``timeout`` (its backward
+    inherits it through the op's autograd)."""
+    if timeout is None:
+        return
+    fwd = torch.ops.cp_compile.ring_attention_fwd.default
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is fwd:
+            node.kwargs = {**node.kwargs, "timeout": float(timeout)}
+    gm.recompile()
 
 
 def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
@@ -152,5 +204,5 @@ def ring_cp(
     mode: Optional[str] = None,
 ):
     """Entry point for ``backend="ring_cp"`` (found by Dynamo through the
-    ``torch_dynamo_backends`` entry point; ``mode`` is accepted and ignored)."""
-    return RingCP(**(options or {}))(gm, example_inputs)
+    ``torch_dynamo_backends`` entry point; ``mode`` goes to the inner Inductor)."""
+    return RingCP(**(options or {}))(gm, example_inputs, mode=mode)

@@ -100,7 +100,8 @@ def ring_attention(
     opts = RingOptions(load_balance=load_balance, rotate=rotate, kernel=kernel, timeout=timeout)
     g = resolve_group(group)
     check_seq_len(q.shape[2] * g.size, g.size, opts.load_balance)
-    check_device(g, q.device)  # a device the group cannot move: fail here, on every rank
+    if not torch.compiler.is_compiling():  # traced: the op checks it when it runs
+        check_device(g, q.device)  # a device the group cannot move: fail here, on every rank
     get_kernel(opts.kernel, q.device, q.dtype)  # unknown or unsupported kernel: fail here, on every rank
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if g.size == 1:

@@ -15,16 +15,26 @@ identical):
 Every rank posts the same operations in the same order, so the ring cannot hang on
 mismatched collectives. K and V travel as two tensors (no packing copy); message
 tags keep K/V hops and gradient hops apart.
+
+Faults. Every wait is bounded: by ``RingGroup.timeout`` seconds when the op was
+given one (``ring_attention(timeout=)``, ``RingCP(timeout=)``), else by the process
+group's own timeout (``init_process_group(timeout=)``, 30 min by default), which
+the backend enforces itself. A wait that times out or fails in the transport (a
+peer process that exited resets its connections) raises :class:`RingCommError`
+naming this rank, the peer it was waiting for, the ring step, the direction
+(forward K/V, backward K/V or backward dK/dV) and the fix, instead of hanging or
+surfacing a bare transport error.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .._group import CPGroup
+from .faults import Hop, collective_hop, comm_error, p2p_hop, wait_hop
 from .plan import source_rank
 
 Tensor = torch.Tensor
@@ -33,20 +43,27 @@ KV_TAG = 0
 GRAD_TAG = 2
 
 
-def _ring_exchange(sends: Sequence[Tensor], recvs: Sequence[Tensor], group: CPGroup, tag: int) -> List[dist.Work]:
-    """Post send(sends[i] -> rank+1) and recv(recvs[i] <- rank-1); returns the pending works."""
+def _ring_exchange(sends: Sequence[Tensor], recvs: Sequence[Tensor], group: CPGroup, tag: int, step: int = 1) -> Hop:
+    """Post send(sends[i] -> rank+1) and recv(recvs[i] <- rank-1); returns the pending :class:`Hop`.
+
+    ``step``: the ring step that needs the received data (for error messages)."""
     nxt = (group.rank + 1) % group.size
     prv = (group.rank - 1) % group.size
     ops = []
     for i, (s, r) in enumerate(zip(sends, recvs)):
         ops.append(dist.P2POp(dist.isend, s, group=group.pg, tag=tag + i, group_peer=nxt))
         ops.append(dist.P2POp(dist.irecv, r, group=group.pg, tag=tag + i, group_peer=prv))
-    return dist.batch_isend_irecv(ops)
+    kind = "dK/dV" if tag == GRAD_TAG else "K/V"
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except Exception as e:  # noqa: BLE001 - a dead peer can fail the post itself
+        raise comm_error(group, kind, step, f"posting the {kind} hop (to rank {nxt}, from rank {prv})", prv, e) from e
+    return p2p_hop(works, group, kind, step, len(sends))
 
 
-def _wait(works: List[dist.Work]) -> None:
-    for w in works:
-        w.wait()
+def _wait(hop: Hop) -> None:
+    """Wait for a transfer, bounded by the group's timeout (see :mod:`.faults`)."""
+    wait_hop(hop)
 
 
 def kv_blocks(k: Tensor, v: Tensor, group: CPGroup, rotate: str) -> Iterator[Tuple[int, int, Tensor, Tensor]]:
@@ -59,7 +76,8 @@ def kv_blocks(k: Tensor, v: Tensor, group: CPGroup, rotate: str) -> Iterator[Tup
     if rotate == "allgather":
         kv = torch.stack([k, v])  # (2, B, H_kv, c, D)
         flat = torch.empty((n * 2, *k.shape), dtype=k.dtype, device=k.device)
-        dist.all_gather_single(flat, kv, group=group.pg)
+        work = dist.all_gather_single(flat, kv, group=group.pg, async_op=True)
+        _wait(collective_hop(work, group, "K/V", f"all-gathering the K/V blocks of ranks 0..{n - 1}", step=1))
         gathered = flat.view(n, 2, *k.shape)  # (N, 2, B, H_kv, c, D), rank-major
         for t in range(n):
             src = source_rank(r, t, n)
@@ -67,10 +85,10 @@ def kv_blocks(k: Tensor, v: Tensor, group: CPGroup, rotate: str) -> Iterator[Tup
         return
     cur = (k.contiguous(), v.contiguous())
     for t in range(n):
-        pending: List[dist.Work] = []
+        pending: Optional[Hop] = None
         if t < n - 1:
             nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
-            pending = _ring_exchange(cur, nxt, group, KV_TAG)
+            pending = _ring_exchange(cur, nxt, group, KV_TAG, step=t + 1)
         yield t, source_rank(r, t, n), cur[0], cur[1]
         if t < n - 1:
             _wait(pending)
@@ -89,7 +107,7 @@ class GradSink:
         self.group, self.rotate = group, rotate
         self.shape, self.dtype, self.device = like.shape, dtype, like.device
         self._incoming: Optional[Tuple[Tensor, Tensor]] = None
-        self._pending: List[dist.Work] = []
+        self._pending: Optional[Hop] = None
         self._sending: Optional[Tuple[Tensor, Tensor]] = None  # alive until its send completes
         if rotate == "allgather":
             self._blocks = torch.zeros((group.size, 2, *like.shape), dtype=dtype, device=like.device)
@@ -113,7 +131,7 @@ class GradSink:
                 acc[1].add_(dv)
         self._sending = acc
         self._incoming = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
-        self._pending = _ring_exchange(acc, self._incoming, self.group, GRAD_TAG)
+        self._pending = _ring_exchange(acc, self._incoming, self.group, GRAD_TAG, step=step + 1)
 
     def finish(self) -> Tuple[Tensor, Tensor]:
         if self.rotate == "allgather":
@@ -129,7 +147,8 @@ class GradSink:
         same bits (a reduce-scatter would add in the backend's own order)."""
         n, r = self.group.size, self.group.rank
         recv = torch.empty_like(self._blocks)  # recv[j]: rank j's contribution to this rank's block
-        dist.all_to_all_single(recv, self._blocks, group=self.group.pg)
+        work = dist.all_to_all_single(recv, self._blocks, group=self.group.pg, async_op=True)
+        _wait(collective_hop(work, self.group, "dK/dV", "the all-to-all of the dK/dV contributions", step=n))
         acc = recv[r].clone()  # (2, B, H_kv, c, D)
         for t in range(1, n):
             acc.add_(recv[(r + t) % n])

@@ -1,0 +1,127 @@
+"""Checks that every rank of the CP group calls the ring op the same way.
+
+Ranks that pass different shapes or options to the ring would post transfers of
+different sizes or in different patterns: at best a transport error, at worst a hang
+or silently wrong numbers. So the first call with a given set of arguments runs one
+small all-gather of their metadata (shapes, dtype, causal, scale, layout, rotation,
+kernel, padding): every rank then sees every rank's arguments, and if they differ
+*every* rank raises the same ``ValueError`` listing them, before any K/V moves.
+Later calls with arguments this process has already verified skip the collective.
+
+Limit: if one rank repeats verified arguments while another brings new ones, only
+the second runs the check; the ranks then wait for each other, and the ring's
+timeout (:mod:`.faults`) turns that into an error naming the peer and the cause.
+
+:func:`check_device` refuses inputs on a device the group's backend cannot move.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any, List, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .._group import CPGroup
+from ..config import LOAD_BALANCES, ROTATES
+from .faults import collective_hop, wait_hop
+
+Tensor = torch.Tensor
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# (field name, number of int64 slots) of the metadata row, in order
+_FIELDS: Tuple[Tuple[str, int], ...] = (
+    ("q shape", 4), ("k shape", 4), ("v shape", 4), ("dtype", 1), ("causal", 1), ("scale", 1),
+    ("load_balance", 1), ("rotate", 1), ("kernel", 1), ("padding (valid length)", 1),
+)
+_VERIFIED: Set[Tuple[str, Tuple[int, ...]]] = set()
+
+
+def check_device(group: CPGroup, device: torch.device) -> None:
+    """Raise if the group's backend has no transport for tensors on ``device``."""
+    if group.pg is None or group.size == 1:
+        return
+    try:
+        group.pg._get_backend(device)
+    except RuntimeError:
+        backend = dist.get_backend(group.pg)
+        supported = sorted({d.type for d in getattr(group.pg, "_device_types", [])})
+        raise ValueError(
+            f"cp_compile.ring_attention: q, k, v are on {device} but the CP group's backend ({backend!r}) "
+            f"moves tensors on {', '.join(supported) or 'other devices'} only. Fix: move q, k, v to "
+            f"{' or '.join(supported) or 'a supported device'}, or create the group with a backend for "
+            f"{device.type} (nccl for cuda, gloo for cpu)."
+        ) from None
+
+
+def _code(value: str) -> int:
+    return zlib.crc32(value.encode())
+
+
+def _scale_bits(scale: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def metadata(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, load_balance: str,
+             rotate: str, kernel: str, valid_len: int) -> Tuple[int, ...]:
+    """This call's arguments as a row of ints (see ``_FIELDS``)."""
+    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 100 + _code(str(q.dtype)) % 1000
+    return (
+        *q.shape, *k.shape, *v.shape, dtype, int(bool(causal)), _scale_bits(scale),
+        LOAD_BALANCES.index(load_balance), ROTATES.index(rotate), _code(kernel), int(valid_len),
+    )
+
+
+def _decode(name: str, vals: Sequence[int], own_kernel: str, own_code: int) -> Any:
+    """A readable value of one field (for the error message)."""
+    if name.endswith("shape"):
+        return tuple(vals)
+    (x,) = vals
+    if name == "dtype":
+        return _DTYPES[x] if x < len(_DTYPES) else "another dtype"
+    if name == "causal":
+        return bool(x)
+    if name == "scale":
+        return struct.unpack("<d", struct.pack("<q", x))[0]
+    if name == "load_balance":
+        return LOAD_BALANCES[x]
+    if name == "rotate":
+        return ROTATES[x]
+    if name == "kernel":
+        return repr(own_kernel) if x == own_code else "another kernel"
+    return x
+
+
+def _differences(rows: List[Tuple[int, ...]], kernel: str) -> List[str]:
+    """One 'field: rank 0 X, rank 1 Y' line per field that is not the same on every rank."""
+    lines, at = [], 0
+    for name, width in _FIELDS:
+        vals = [row[at:at + width] for row in rows]
+        if any(v != vals[0] for v in vals):
+            per_rank = ", ".join(f"rank {r} {_decode(name, v, kernel, _code(kernel))}" for r, v in enumerate(vals))
+            lines.append(f"{name}: {per_rank}")
+        at += width
+    return lines
+
+
+def check_same_call(meta: Tuple[int, ...], group: CPGroup, device: torch.device, kernel: str) -> None:
+    """Raise ``ValueError`` on every rank if the ranks' ``meta`` rows differ (first call per row only)."""
+    if group.pg is None or group.size == 1 or (group.name, meta) in _VERIFIED:
+        return
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    rows = torch.empty(group.size * len(meta), dtype=torch.int64, device=device)
+    work = dist.all_gather_single(rows, mine, group=group.pg, async_op=True)
+    wait_hop(collective_hop(work, group, "argument check", "all-gathering every rank's ring op arguments", step=-1))
+    table = [tuple(r) for r in rows.view(group.size, len(meta)).cpu().tolist()]
+    diffs = _differences(table, kernel)
+    if diffs:
+        raise ValueError(
+            "cp_compile.ring_attention: the ranks of the CP group called the ring op with different "
+            f"arguments: {'; '.join(diffs)}. Fix: every rank must pass its own shard of the same global "
+            "sequence (same batch, heads, head dim, length and dtype) and the same options (causal, scale, "
+            "load_balance, rotate, kernel); with the ring_cp backend or @context_parallel every rank passes "
+            "the same full batch."
+        )
+    _VERIFIED.add((group.name, meta))

@@ -1,0 +1,210 @@
+"""A peer that dies or raises mid-ring: the survivors raise a named error, in bounded time.
+
+A fault breaks the process group for good (gloo closes the connections it timed out
+on or that a dead peer reset), so these tests do not use the shared ``ranks`` pools:
+each scenario spawns its own gloo group on a fresh port (:func:`run_isolated`) and
+tears it down, and later tests are unaffected.
+
+The fault is injected by a stand-in block kernel (the reference kernel, plus a
+trigger) that on one rank, at one ring step of the forward, either calls
+``os._exit`` (a crashed process: its sockets close) or raises and then lingers
+without communicating (a live process that left the ring, as a persistent worker
+would). Non-causal attention calls the kernel once per ring step, so the forward's
+call index is the ring step.
+
+What the survivors must raise: :class:`RingCommError` naming their rank, the peer
+they were waiting for, the ring step, the direction (forward K/V, backward K/V,
+backward dK/dV) and the fix (the ``timeout=`` option) — within the timeout given to
+the op, or, without one, within the process group's own timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import re
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from distributed import _free_port
+
+FAULT_KERNEL = "test_fault_kernel"
+DIRECTIONS = r"\((forward K/V|backward K/V|backward dK/dV)\)"
+FIX = "Fix: look for "
+_STOP = None  # in a worker: the Event the parent sets once the survivors have answered
+
+
+class FaultKernel:
+    """The reference kernel, except on ``rank`` at forward call ``step``: exit or raise."""
+
+    name = FAULT_KERNEL
+
+    def __init__(self, rank: int, step: int, how: str) -> None:
+        from cp_compile.kernels.reference import ReferenceKernel
+
+        self.rank, self.step, self.how, self.calls = rank, step, how, 0
+        self.inner = ReferenceKernel()
+
+    def supports(self, device, dtype) -> bool:
+        return True
+
+    def forward(self, q, k, v, *, causal, scale):
+        if dist.get_rank() == self.rank and self.calls == self.step:
+            if self.how == "exit":
+                os._exit(17)
+            raise RuntimeError(f"stand-in kernel failure on rank {self.rank} at ring step {self.step}")
+        self.calls += 1
+        return self.inner.forward(q, k, v, causal=causal, scale=scale)
+
+    def backward(self, *args, **kwargs):
+        return self.inner.backward(*args, **kwargs)
+
+
+def _ring_with_fault(fault_rank: int, step: int, how: str, timeout, linger: float):
+    """On every rank: forward + backward of a non-causal ring with the fault injected.
+
+    Returns (exception type, message, seconds until it was raised), or None if the op
+    succeeded. The faulty rank, after raising, lingers without communicating until the
+    others have answered (at most ``linger`` s).
+    """
+    import cp_compile
+    from cp_compile.kernels import register_kernel
+
+    register_kernel(FaultKernel(fault_rank, step, how), replace=True)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g, requires_grad=True) for _ in range(3))
+    dist.barrier()  # the processes started at different times; the op's timeout is short
+    t0 = time.monotonic()
+    try:
+        out = cp_compile.ring_attention(q, k, v, load_balance="contiguous", kernel=FAULT_KERNEL, timeout=timeout)
+        out.sum().backward()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        result = (type(e).__name__, str(e), time.monotonic() - t0)
+        if dist.get_rank() == fault_rank:
+            _STOP.wait(linger)
+        return result
+    return None
+
+
+# --------------------------------------------------------------------------- isolated group
+
+
+def _isolated_worker(rank, world, init_method, pg_timeout, fn, args, results, stop) -> None:
+    global _STOP
+    os.environ["CP_COMPILE_TEST_WORKER"] = "1"
+    _STOP = stop
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout))
+        results.put((rank, fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - e.g. a failed init
+        results.put((rank, ("worker error", f"{type(e).__name__}: {e}", -1.0)))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # skip teardown: the group is broken on purpose
+
+
+def run_isolated(world: int, fn, *args, pg_timeout: float = 60.0, wait: float = 120.0) -> dict:
+    """Run ``fn(*args)`` on ``world`` fresh processes forming their own gloo group.
+
+    Returns {rank: return value} for the ranks that answered within ``wait`` seconds
+    (a rank that died answers nothing); every process is gone when this returns. Once
+    ``world - 1`` ranks have answered, the workers' ``_STOP`` event is set.
+    """
+    ctx = mp.get_context("spawn")
+    results, stop = ctx.Queue(), ctx.Event()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_isolated_worker, args=(r, world, init, pg_timeout, fn, args, results, stop),
+                         name=f"cp-fault-rank{r}-of{world}") for r in range(world)]
+    for p in procs:
+        p.start()
+    answers: dict = {}
+    deadline = time.monotonic() + wait
+    try:
+        while len(answers) < world and time.monotonic() < deadline:
+            try:
+                rank, value = results.get(timeout=0.2)
+                answers[rank] = value
+                if len(answers) >= world - 1:
+                    stop.set()
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        results.cancel_join_thread()
+        results.close()
+    return answers
+
+
+def _check_named_error(res, rank: int, peer, limit: float) -> str:
+    """``res`` is a survivor's RingCommError naming itself, ``peer``, a step, a direction and the fix."""
+    assert res is not None, f"rank {rank}: the ring did not notice the fault"
+    typ, msg, elapsed = res
+    assert typ == "RingCommError", (rank, typ, msg)
+    assert re.search(DIRECTIONS, msg), msg  # in the ring itself, not the argument check
+    assert f"rank {rank} of the CP group gave up at" in msg, msg
+    assert re.search(r"(ring step \d+ of \d+|the last hop)", msg), msg
+    if peer is not None:
+        assert f"rank {peer}" in msg.split(" has most likely")[0], msg
+    assert FIX in msg and "timeout=SECONDS" in msg, msg
+    assert elapsed <= limit, f"rank {rank} took {elapsed:.1f} s (limit {limit} s): {msg}"
+    return msg
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_peer_exits_during_step_1_two_ranks():
+    """Rank 1 dies in forward step 1 (the last one): rank 0 finishes its forward, and its
+    backward's first K/V hop to rank 1 fails at once (connection reset), naming rank 1."""
+    answers = run_isolated(2, _ring_with_fault, 1, 1, "exit", 30.0, 0.0)
+    assert set(answers) == {0}, answers
+    msg = _check_named_error(answers[0], 0, 1, limit=15.0)
+    assert "(backward K/V)" in msg and "ring step 1 of 2" in msg, msg
+
+
+def test_peer_exits_during_step_1_four_ranks():
+    """Rank 1 dies in forward step 1 of 4: its ring neighbours (0 sends to it, 2 receives
+    from it) name it; rank 3, whose neighbours then fail, raises too; nobody hangs."""
+    answers = run_isolated(4, _ring_with_fault, 1, 1, "exit", 10.0, 0.0)
+    assert set(answers) == {0, 2, 3}, answers
+    for rank in (0, 2):
+        _check_named_error(answers[rank], rank, 1, limit=20.0)
+    _check_named_error(answers[3], 3, None, limit=20.0)
+
+
+def test_peer_raises_and_stays_alive_times_out():
+    """Rank 1 of 3 raises in forward step 1 and stays alive without communicating: the
+    others wait no longer than the op's timeout, then raise naming the peer they waited for."""
+    timeout, world = 2.0, 3
+    answers = run_isolated(world, _ring_with_fault, 1, 1, "raise", timeout, 60.0)
+    assert set(answers) == set(range(world)), answers
+    typ, msg, _ = answers[1]
+    assert typ == "RuntimeError" and "stand-in kernel failure on rank 1" in msg, answers[1]
+    for rank in range(world):
+        if rank == 1:
+            continue
+        msg = _check_named_error(answers[rank], rank, None, limit=2 * timeout + 10)
+        assert answers[rank][2] >= 0.9 * timeout or "transfer failed" in msg, answers[rank]
+        assert "no answer within 2 s" in msg or "transfer failed" in msg, msg
+    # rank 0 sends to rank 1 at its first backward hop and gets no answer
+    assert "no answer within 2 s" in answers[0][1] and "rank 1" in answers[0][1], answers[0]
+
+
+def test_default_limit_is_the_process_group_timeout():
+    """No timeout given: a wait is bounded by the process group's own timeout (here 3 s),
+    and the error says so."""
+    answers = run_isolated(2, _ring_with_fault, 1, 1, "raise", None, 60.0, pg_timeout=3.0)
+    msg = _check_named_error(answers[0], 0, 1, limit=15.0)
+    assert "no answer within 3 s (the process group's timeout)" in msg, msg
+    assert answers[0][2] >= 2.5, answers[0]

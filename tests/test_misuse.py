@@ -1,0 +1,195 @@
+"""Misuse of the ring op and the backend: clear errors on every rank, never a hang.
+
+Covered elsewhere, not repeated here: tensor checks (q/k batch, head dim, heads,
+dtypes, devices of q/k/v among themselves), unknown options and kernels, an
+explicit group without torch.distributed, a mesh without a 'cp' dim for
+``ring_attention`` (tests/test_ring_errors.py); changing sequence lengths, static,
+automatic and ``dynamic=True`` (tests/test_backend.py); peers that die or raise
+(tests/test_faults.py).
+
+Here: ranks that pass different shapes or options (caught by the first call's
+metadata all-gather, the same error on every rank, the group still usable after);
+inputs on a device the group's backend cannot move; the backend with a mesh without
+a 'cp' dim or without a process group; float64 on the Triton kernel; the ``timeout``
+option's validation; and ``torch.compile``'s own ``fullgraph=`` / ``mode=`` /
+``options=`` combined with ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import models  # noqa: E402
+
+import cp_compile  # noqa: E402
+from cp_compile import backend as backend_mod  # noqa: E402
+from cp_compile.kernels import get_kernel  # noqa: E402
+
+MISMATCH = "the ranks of the CP group called the ring op with different arguments"
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type and message go back to the parent
+        return type(e).__name__, str(e)
+    return None
+
+
+def _local(c: int, seed: int, h: int = 4, hkv: int = 2, d: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, n, c, d, generator=g) for n in (h, hkv, hkv))
+
+
+def _ring_mismatches_rank_fn():
+    """Each case differs between rank 0 and rank 1; every rank must raise the same error."""
+    r = dist.get_rank()
+    out = {}
+    ring = cp_compile.ring_attention
+    out["length"] = _catch(lambda: ring(*_local(8 if r == 0 else 4, 0)))
+    out["heads"] = _catch(lambda: ring(*_local(8, 1, h=4 if r == 0 else 2)))
+    out["causal"] = _catch(lambda: ring(*_local(8, 2), causal=r == 1))
+    out["rotate"] = _catch(lambda: ring(*_local(8, 3), rotate="p2p" if r == 0 else "allgather"))
+    out["scale"] = _catch(lambda: ring(*_local(8, 4), scale=0.25 if r == 0 else 0.5))
+    out["dtype"] = _catch(lambda: ring(*(t.to(torch.float32 if r == 0 else torch.bfloat16) for t in _local(8, 5))))
+    # a device the gloo group cannot move (the reference kernel would take it)
+    out["meta"] = _catch(lambda: ring(*(t.to("meta") for t in _local(8, 6)), kernel="reference"))
+    # the group still works, and agreeing ranks pass the check
+    q, k, v = _local(8, 7)
+    out["after"] = ring(q, k, v, causal=True)
+    out["after_again"] = ring(q, k, v, causal=True)
+    return out
+
+
+def test_ranks_with_different_arguments_all_raise(ranks):
+    expected = {
+        "length": "q shape: rank 0 (1, 4, 8, 16), rank 1 (1, 4, 4, 16)",
+        "heads": "q shape: rank 0 (1, 4, 8, 16), rank 1 (1, 2, 8, 16)",
+        "causal": "causal: rank 0 False, rank 1 True",
+        "rotate": "rotate: rank 0 p2p, rank 1 allgather",
+        "scale": "scale: rank 0 0.25, rank 1 0.5",
+        "dtype": "dtype: rank 0 torch.float32, rank 1 torch.bfloat16",
+    }
+    results = ranks.run(2, _ring_mismatches_rank_fn, timeout=120)
+    for rank, res in enumerate(results):
+        for case, fragment in expected.items():
+            assert res[case] is not None, f"rank {rank}: {case} mismatch not detected"
+            typ, msg = res[case]
+            assert typ == "ValueError" and MISMATCH in msg and fragment in msg, (rank, case, msg)
+            assert "Fix: every rank must pass its own shard of the same global sequence" in msg, msg
+        typ, msg = res["meta"]
+        assert typ == "ValueError" and "q, k, v are on meta but the CP group's backend ('gloo')" in msg, msg
+        assert "Fix: move q, k, v to cpu or cuda" in msg, msg
+        assert res["after"].shape == (1, 4, 8, 16) and torch.equal(res["after"], res["after_again"])
+
+
+def _compiled_mismatch_rank_fn():
+    """The ring_cp backend where rank 1 passes a longer sequence than rank 0."""
+    torch._dynamo.reset()
+    seq_len = 32 if dist.get_rank() == 0 else 48
+    model, inputs = models.llama_factory(seq_len=seq_len)
+    compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)
+    first = _catch(lambda: compiled(*inputs))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch._dynamo.reset()
+    no_cp = _catch(lambda: torch.compile(model, backend=cp_compile.RingCP(mesh=mesh, inner="aot_eager"))(*inputs))
+    return first, no_cp
+
+
+def test_compiled_model_with_different_lengths_per_rank(ranks):
+    for rank, (first, no_cp) in enumerate(ranks.run(2, _compiled_mismatch_rank_fn, timeout=180)):
+        assert first is not None, f"rank {rank}: different lengths not detected"
+        typ, msg = first
+        assert typ == "ValueError" and MISMATCH in msg, (rank, msg)
+        assert "q shape: rank 0 (2, 4, 16, 16), rank 1 (2, 4, 24, 16)" in msg, msg
+        assert "every rank passes the same full batch" in msg, msg
+        assert no_cp is not None and "none named 'cp'" in no_cp[1] and "Fix: pass mesh['cp']" in no_cp[1], no_cp
+
+
+# --------------------------------------------------------------------------- single process
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not (dist.is_available() and dist.is_initialized()), "the pytest process must not init a group"
+
+
+def test_backend_group_without_process_group():
+    torch._dynamo.reset()
+    model, inputs = models.llama_factory(seq_len=16)
+    compiled = torch.compile(model, backend=cp_compile.RingCP(mesh=object(), inner="eager"))
+    with pytest.raises(Exception, match="torch.distributed is not initialised") as info:
+        compiled(*inputs)
+    assert "init_process_group" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "10", True])
+def test_timeout_must_be_positive_seconds(bad):
+    q, k, v = _local(8, 0)
+    for make in (lambda: cp_compile.ring_attention(q, k, v, timeout=bad), lambda: cp_compile.RingCP(timeout=bad),
+                 lambda: cp_compile.RingOptions(timeout=bad)):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds or None"):
+            make()
+    assert cp_compile.RingOptions(timeout=30).timeout == 30
+
+
+def test_float64_on_the_triton_kernel_is_refused():
+    q, k, v = (t.double() for t in _local(8, 0))
+    for call in (lambda: get_kernel("triton", q.device, torch.float64),
+                 lambda: cp_compile.ring_attention(q, k, v, kernel="triton")):
+        with pytest.raises(ValueError, match="kernel 'triton'") as info:
+            call()
+        assert "torch.float64" in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_fullgraph_with_a_graph_break_is_dynamos_error():
+    torch._dynamo.reset()
+    model, inputs = models.llama_factory(seq_len=16, graph_break_between_layers=True)
+    compiled = torch.compile(model, backend="ring_cp", options={"inner": "eager"}, fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(*inputs)
+
+
+def test_mode_goes_to_the_inner_inductor():
+    seen = {}
+
+    def fake_inductor(gm, example_inputs, **kwargs):
+        seen.update(kwargs)
+        return lambda *args: args
+
+    wrapped = backend_mod._with_mode(fake_inductor, "inductor", "max-autotune-no-cudagraphs")
+    wrapped(None, [], config_patches={"reorder_for_compute_comm_overlap": True})
+    assert seen["config_patches"] == {
+        "max_autotune": True, "coordinate_descent_tuning": True, "reorder_for_compute_comm_overlap": True,
+    }
+    assert backend_mod._with_mode(fake_inductor, "inductor", "default") is fake_inductor
+    with pytest.raises(RuntimeError, match="Unrecognized mode=fastest"):
+        backend_mod._with_mode(fake_inductor, "inductor", "fastest")
+
+
+def test_mode_and_options_with_a_ringcp_object(caplog):
+    """torch.compile passes mode=/options= to a backend object: RingCP takes both."""
+    torch._dynamo.reset()
+    model, inputs = models.llama_factory(seq_len=16)
+    ref = model(*inputs)
+    with caplog.at_level(logging.WARNING, logger="cp_compile"):
+        out = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), mode="reduce-overhead")(*inputs)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=0)
+    assert "mode='reduce-overhead' is an Inductor setting; inner='aot_eager' ignores it" in caplog.text
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=cp_compile.RingCP(inner="inductor"), options={"inner": "eager"})(*inputs)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=0)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown ring_cp options \\['innr'\\]"):
+        torch.compile(model, backend=cp_compile.RingCP(), options={"innr": "eager"})(*inputs)
+    with pytest.raises(RuntimeError, match="Either mode or options can be specified"):
+        torch.compile(model, backend="ring_cp", mode="max-autotune", options={"inner": "eager"})
