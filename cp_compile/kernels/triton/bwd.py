@@ -33,20 +33,20 @@ import triton
 import triton.language as tl
 
 from .configs import BWD_KV_CONFIGS, BWD_Q_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
-from .fwd import LOG2E, NO_LIMIT, cast, dot
+from .fwd import NO_LIMIT, cast, dot
 
 Tensor = torch.Tensor
 
 
 @triton.jit
-def _probs(q, k, lse2, q_pos, k_pos, kv_limit, qk_scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
-    """P (BLOCK_M, BLOCK_N) fp32 of one tile: 2^(t - lse·log2 e) where visible, else 0."""
-    t = dot(q, tl.trans(k), INTERP) * qk_scale
-    visible = (k_pos < kv_limit)[None, :] & (lse2 > float("-inf"))[:, None]
+def _probs(q, k, lse, q_pos, k_pos, kv_limit, scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
+    """P (BLOCK_M, BLOCK_N) fp32 of one tile: exp(scale q·k - lse) where visible, else 0."""
+    t = dot(q, tl.trans(k), INTERP) * scale
+    visible = (k_pos < kv_limit)[None, :] & (lse > float("-inf"))[:, None]
     if CAUSAL:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    lse_ref = tl.where(lse2 > float("-inf"), lse2, 0.0)
-    return tl.where(visible, tl.math.exp2(t - lse_ref[:, None]), 0.0)
+    lse_ref = tl.where(lse > float("-inf"), lse, 0.0)
+    return tl.exp(tl.where(visible, t - lse_ref[:, None], float("-inf")))  # masked: exp(-inf) = 0
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _bwd_dkdv(
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_om, s_od,
-    H, S_q, S_k, D, kv_limit, qk_scale, scale,
+    H, S_q, S_k, D, kv_limit, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -91,9 +91,9 @@ def _bwd_dkdv(
                     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
                     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
                     row = (b * H + h) * S_q + offs_m
-                    lse2 = tl.load(LSE + row, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+                    lse = tl.load(LSE + row, mask=m_ok, other=float("-inf"))
                     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
-                    p = _probs(q, k, lse2, q_pos, k_pos, kv_limit, qk_scale, CAUSAL, INTERP)  # (BLOCK_M, BLOCK_N)
+                    p = _probs(q, k, lse, q_pos, k_pos, kv_limit, scale, CAUSAL, INTERP)  # (BLOCK_M, BLOCK_N)
                     dv += dot(tl.trans(cast(p, do.dtype, INTERP)), do, INTERP)
                     dp = dot(do, tl.trans(v), INTERP)  # (BLOCK_M, BLOCK_N)
                     ds = p * (dp - delta[:, None])
@@ -110,7 +110,7 @@ def _bwd_dq(
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_om, s_od,
-    H, S_q, S_k, D, kv_limit, qk_scale, scale,
+    H, S_q, S_k, D, kv_limit, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -129,7 +129,7 @@ def _bwd_dq(
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
     row = pid_bh * S_q + offs_m
-    lse2 = tl.load(LSE + row, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+    lse = tl.load(LSE + row, mask=m_ok, other=float("-inf"))
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, S_k, BLOCK_N):
@@ -144,7 +144,7 @@ def _bwd_dq(
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            p = _probs(q, k, lse2, q_pos, k_pos, kv_limit, qk_scale, CAUSAL, INTERP)
+            p = _probs(q, k, lse, q_pos, k_pos, kv_limit, scale, CAUSAL, INTERP)
             dp = dot(do, tl.trans(v), INTERP)
             ds = p * (dp - delta[:, None])
             dq += dot(cast(ds, k.dtype, INTERP), k, INTERP)
@@ -190,7 +190,7 @@ def backward_step(
     b, h, s_q, d = q.shape
     h_kv, s_k = k.shape[1], k.shape[2]
     lse = lse.float().contiguous()
-    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), h, s_q, s_k, d, kv_limit, scale * LOG2E, scale)
+    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), h, s_q, s_k, d, kv_limit, scale)
     consts = dict(GROUP=h // h_kv, CAUSAL=causal, INTERP=INTERPRET, BLOCK_D=padded_head_dim(d))
     kv_grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
     q_grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731

@@ -24,7 +24,7 @@ _PTRS = {
     "_bwd_dq": {"Q": "DT", "K": "DT", "V": "DT", "DO": "DT", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
                 "QPOS": "i32", "KPOS": "i32", "COUNTER": "i32"},
 }
-_FLOATS = ("qk_scale", "scale")
+_FLOATS = ("scale",)
 
 
 def _signature(fn, kernel: str, consts: Dict[str, object], dtype: str) -> Dict[str, str]:
