@@ -212,3 +212,44 @@ def test_large_logits_merge_without_lse_rounding(ranks):
                 failures.append(report[-1])
     print("\n".join(report))
     assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def _llama_through_backend_with_triton() -> tuple:
+    from test_backend import _compare
+
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = TritonKernel.forward_step, TritonKernel.backward_step
+
+    def count(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    TritonKernel.forward_step, TritonKernel.backward_step = count("fwd", fwd), count("bwd", bwd)
+    try:
+        return (*_compare("llama_factory", {}, {"kernel": "triton"}), calls)
+    finally:
+        TritonKernel.forward_step, TritonKernel.backward_step = fwd, bwd
+
+
+def test_ring_cp_backend_with_triton_kernel_matches_single_device(ranks):
+    """The example Llama compiled with backend ring_cp, kernel="triton" (aot_eager, 2 ranks):
+    loss and every parameter gradient equal the single-process run (fp32 <= 1e-5)."""
+    for rank, (loss_err, grad_err, fallbacks, summary, calls) in enumerate(
+        ranks.run(2, _llama_through_backend_with_triton, timeout=300)
+    ):
+        assert loss_err <= 1e-5 and grad_err <= 1e-5, (rank, loss_err, grad_err)
+        assert fallbacks == 0 and summary["ring_attention_fwd"] == 2, (rank, summary)
+        assert calls == {"fwd": 2 * 2, "bwd": 2 * 2}, calls  # 2 layers x 2 ring steps, each way
+
+
+def test_auto_kernel_is_triton_on_cuda_and_aten_on_cpu():
+    from cp_compile.kernels import kernel_names, resolve_kernel_name
+
+    assert resolve_kernel_name("auto", torch.device("cuda")) == "triton"
+    assert resolve_kernel_name("auto", torch.device("cpu")) == "aten"
+    assert "triton" in kernel_names()
