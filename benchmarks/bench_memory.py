@@ -1,0 +1,155 @@
+"""Benchmark 1: per-rank peak memory of forward + backward vs sequence length and CP size.
+
+    .venv/bin/python benchmarks/bench_memory.py                       # defaults (~4 min on 2 cores)
+    .venv/bin/python benchmarks/bench_memory.py --seq-lens 4k,8k,16k,32k,64k --worlds 1,2,4,8 \\
+        --llama-seq-lens 4k,16k,32k --cap-mib 4096                  # larger setting
+
+Two models, both the unmodified example code in ``examples/models.py``:
+* ``block``: one transformer block (a 1-layer Llama: embedding, RMSNorm, GQA attention
+  with RoPE, SwiGLU, LM head over a 256-byte vocabulary, cross-entropy);
+* ``llama``: the example Llama of ``examples/train_demo.py`` (dim 256, 2 layers, 4/2
+  heads, SwiGLU 512, vocab 1024).
+
+For every (model, S, N) the script starts N fresh processes (one torch thread each,
+gloo on 127.0.0.1). N = 1 runs ``torch.compile(model, backend=INNER)`` (same compiler,
+no CP: the fair reference, the compiler alone changes what is saved for backward);
+N > 1 runs ``torch.compile(model, backend=RingCP(inner=INNER))`` with every rank
+passing the full batch. Step 1 (compile, warm-up) is not measured; step 2's forward
++ backward is, as the process's resident high-water mark (VmHWM):
+
+* ``peak_rss``: the absolute process peak (includes the ~300-400 MiB Python + torch
+  baseline, the weights, inputs and compiled code);
+* ``peak_above``: the peak above the resident size just before step 2 (activations,
+  gradients, temporaries). **The N-vs-1 ratio uses peak_above** (the max over ranks),
+  because the baseline is a per-process constant that CP cannot and does not claim
+  to divide.
+
+Longest S under a per-process cap (``--cap-mib``, absolute RSS): *extrapolated*, not
+run under a hard limit (RLIMIT_AS is unreliable with torch's virtual reservations):
+a least-squares line peak_rss(S) = a + b*S through the measured points of each N is
+solved for the cap. Memory here is linear in S (no O(S^2) tensor), which the fit's
+residual in the output lets you check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Dict, List
+
+import common
+
+INNER = "aot_eager"
+MODELS = {
+    "block": dict(vocab_size=256, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=512),
+    "llama": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
+}
+
+
+def rank_step(rank: int, world: int, model_name: str, seq_len: int, inner: str) -> Dict[str, Any]:
+    """In one rank: compile, warm up, then measure the peak of one forward + backward."""
+    import torch
+
+    import cp_compile
+    import models
+
+    model, (input_ids, labels) = models.llama_factory(seq_len=seq_len, batch=1, seed=0, max_seq_len=seq_len,
+                                                      **MODELS[model_name])
+    backend = inner if world == 1 else cp_compile.RingCP(inner=inner)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids, labels)  # input_ids, labels: (1, S)
+        loss.backward()
+        return loss.item()
+
+    sync = torch.distributed.barrier if world > 1 else (lambda: None)
+    step()  # compile + warm-up
+    sync()
+    t0 = time.perf_counter()
+    m = common.measure_peak(step)
+    m["seconds"] = time.perf_counter() - t0
+    m["loss"] = m.pop("result")
+    return m
+
+
+def measure_all(args) -> List[Dict[str, Any]]:
+    """Every (model, S, N) configuration, each in fresh processes."""
+    configs = [("block", s, n) for s in args.seq_lens for n in args.worlds]
+    configs += [("llama", s, n) for s in args.llama_seq_lens for n in args.worlds]
+    rows = []
+    for i, (model_name, s, n) in enumerate(configs, 1):
+        common.log(f"[{i}/{len(configs)}] {model_name} S={s} N={n}")
+        res = common.try_run_ranks(rank_step, n, model_name, s, args.inner)
+        row: Dict[str, Any] = {"model": model_name, "seq_len": s, "world": n}
+        if isinstance(res, dict):
+            row["error"] = res["error"]
+        else:
+            row.update(ranks=res, peak_above_mib=max(r["peak_above_mib"] for r in res),
+                       peak_rss_mib=max(r["peak_rss_mib"] for r in res),
+                       base_rss_mib=max(r["base_rss_mib"] for r in res),
+                       seconds=max(r["seconds"] for r in res), loss=res[0]["loss"])
+        rows.append(row)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    """ratio_above / ratio_rss: each row's per-rank peak over the N=1 row of the same model and S."""
+    ref = {(r["model"], r["seq_len"]): r for r in rows if r["world"] == 1 and "error" not in r}
+    for r in rows:
+        base = ref.get((r["model"], r["seq_len"]))
+        if base is None or "error" in r:
+            continue
+        r["ratio_above"] = r["peak_above_mib"] / base["peak_above_mib"]
+        r["ratio_rss"] = r["peak_rss_mib"] / base["peak_rss_mib"]
+
+
+def longest_under_cap(rows: List[Dict[str, Any]], cap_mib: float) -> List[Dict[str, Any]]:
+    """Per (model, N): the S at which the least-squares line through peak_rss(S) reaches the cap."""
+    import numpy as np
+
+    out = []
+    for key in sorted({(r["model"], r["world"]) for r in rows}):
+        pts = [(r["seq_len"], r["peak_rss_mib"]) for r in rows
+               if (r["model"], r["world"]) == key and "error" not in r]
+        if len(pts) < 2:
+            continue
+        s, m = np.array(pts, dtype=float).T
+        b, a = np.polyfit(s, m, 1)  # peak_rss ≈ a + b*S
+        resid = float(np.max(np.abs(a + b * s - m)))
+        s_max = (cap_mib - a) / b if b > 0 else float("inf")
+        out.append({"model": key[0], "world": key[1], "intercept_mib": a, "mib_per_1k_tokens": b * 1024,
+                    "max_fit_residual_mib": resid, "longest_seq_len": int(s_max), "cap_mib": cap_mib,
+                    "measured_up_to": int(s.max())})
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--seq-lens", type=common.int_list, default=common.int_list("4k,8k,16k,32k"),
+                   help="block model sequence lengths (default 4k,8k,16k,32k)")
+    p.add_argument("--llama-seq-lens", type=common.int_list, default=common.int_list("16k"),
+                   help="example-Llama sequence lengths (default 16k)")
+    p.add_argument("--worlds", type=common.int_list, default=[1, 2, 4], help="CP sizes (default 1,2,4)")
+    p.add_argument("--inner", default=INNER, choices=("aot_eager", "inductor"), help="inner compiler")
+    p.add_argument("--cap-mib", type=float, default=2048.0, help="per-process RSS cap for the longest-S estimate")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    rows = measure_all(args)
+    for r in rows:
+        if "error" in r:
+            common.log(f"{r['model']:6s} S={r['seq_len']:6d} N={r['world']}: FAILED {r['error']}")
+        else:
+            common.log(f"{r['model']:6s} S={r['seq_len']:6d} N={r['world']}: above {r['peak_above_mib']:8.1f} MiB "
+                       f"(x{r.get('ratio_above', float('nan')):.2f}), rss {r['peak_rss_mib']:8.1f} MiB")
+    cap = longest_under_cap(rows, args.cap_mib)
+    for c in cap:
+        common.log(f"{c['model']} N={c['world']}: longest S under {args.cap_mib:.0f} MiB ≈ {c['longest_seq_len']}")
+    common.write_result("memory", {"rows": rows, "cap": cap, "inner": args.inner}, started, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Detail sections and plots of ``RESULTS.md`` (one function per benchmark record)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List
+
+import common
+from report import Rec, _f, _table
+
+PLOTS = {"memory": "memory_vs_seq.png", "balance": "makespan_vs_world.png", "error": "error_vs_ring.png"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def memory(r: Rec) -> str:
+    rows = []
+    for x in r["rows"]:
+        if "error" in x:
+            rows.append([x["model"], x["seq_len"], x["world"], "failed: " + x["error"], "", "", ""])
+            continue
+        rows.append([x["model"], x["seq_len"], x["world"], _f(x["peak_above_mib"], 1), _f(x.get("ratio_above", 1)),
+                     _f(x["peak_rss_mib"], 1), _f(x.get("ratio_rss", 1))])
+    text = _table(["model", "S", "N", "peak above baseline (MiB, max rank)", "× N=1", "peak RSS (MiB)", "× N=1"], rows)
+    cap = [[c["model"], c["world"], f"{c['longest_seq_len']:,}", _f(c["mib_per_1k_tokens"], 2),
+            _f(c["intercept_mib"], 0), _f(c["max_fit_residual_mib"], 1), f"{c['measured_up_to']:,}"] for c in r["cap"]]
+    if cap:
+        text += (f"\n\nLongest S under a {r['cap'][0]['cap_mib']:.0f} MiB per-process RSS cap — **extrapolated** from a "
+                 "least-squares line through the measured peaks (not run under a hard limit):\n\n")
+        text += _table(["model", "N", "longest S", "MiB per 1k tokens", "intercept MiB", "max fit residual MiB",
+                        "measured up to S"], cap)
+    plot_memory(r)
+    return text + f"\n\n![memory vs S]({PLOTS['memory']})"
+
+
+def plot_memory(r: Rec) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in sorted({x["world"] for x in r["rows"]}):
+        pts = sorted((x["seq_len"], x["peak_above_mib"]) for x in r["rows"]
+                     if x["model"] == "block" and x["world"] == n and "error" not in x)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"N={n}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length S")
+    ax.set_ylabel("per-rank peak above baseline (MiB)")
+    ax.set_title("one block fwd+bwd: per-rank peak memory")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(common.RESULTS, PLOTS["memory"]), dpi=110)
+    plt.close(fig)
+
+
+def balance(r: Rec) -> str:
+    c = r["block_costs"]
+    rows = [[x["world"], x["layout"], _f(x["makespan_s"], 3), _f(x["speedup_vs_contiguous"]),
+             _f(x["best_speedup_vs_contiguous"]), _f(x["cost_model_speedup"]), _f(x["pair_speedup_vs_contiguous"]),
+             _f(x["theory_fwd_speedup"], 3), _f(max(x["rank_busy_s"]) / min(x["rank_busy_s"]))]
+            for x in r["simulated"]]
+    text = _table(["N", "layout", "makespan (s)", "× vs contiguous (median)", "× (best of)", "× predicted by block costs",
+                   "× by pair count", "theory fwd", "busiest / idlest rank"], rows)
+    text += (f"\n\nBlock costs at c={r['args']['local_len']} (fwd+bwd, best of repeats): causal c×c "
+             f"{_f(c['causal_s'] * 1e3, 1)} ms, unmasked c×c {_f(c['full_s'] * 1e3, 1)} ms, unmasked c×c/2 "
+             f"{_f(c['half_s'] * 1e3, 1)} ms → causal/full {_f(c['causal_over_full'])}, half/full "
+             f"{_f(c['half_over_full'])} (a kernel that skips masked work perfectly: 0.50, 0.50).\n\n")
+    real = [[x["world"], x["layout"], _f(x["seconds"], 3) if "seconds" in x else x["error"],
+             _f(x.get("speedup_vs_contiguous", float("nan")))] for x in r["real"]]
+    text += "Real gloo ranks (one thread each; N=4 puts 4 ranks on 2 cores):\n\n"
+    text += _table(["N", "layout", "fwd+bwd (s, slowest rank, median)", "× vs contiguous"], real)
+    plot_balance(r)
+    return text + f"\n\n![makespan per layout]({PLOTS['balance']})"
+
+
+def plot_balance(r: Rec) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    worlds = sorted({x["world"] for x in r["simulated"]})
+    layouts = ["zigzag", "striped", "contiguous"]
+    width = 0.8 / len(layouts)
+    for i, lay in enumerate(layouts):
+        ys = [next(x["makespan_s"] for x in r["simulated"] if x["world"] == n and x["layout"] == lay) for n in worlds]
+        ax.bar([j + i * width for j in range(len(worlds))], ys, width, label=lay)
+    ax.set_xticks([j + width for j in range(len(worlds))], [f"N={n}" for n in worlds])
+    ax.set_ylabel("synchronous-ring makespan, fwd+bwd (s)")
+    ax.set_title(f"causal ring, {r['args']['local_len']} tokens per rank (simulated)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(common.RESULTS, PLOTS["balance"]), dpi=110)
+    plt.close(fig)
+
+
+def overlap(r: Rec) -> str:
+    rows = [[s["world"], _f(s["sleep_s"], 3), _f(s["hop_s"], 3), _f(s["fwd_s"], 3), _f(s["fwd_ratio"], 3),
+             _f(s["bwd_s"], 3), _f(s["bwd_ratio"], 3), _f(s["fwd_serial_ratio"], 2)] for s in r["schedule"]]
+    text = _table(["N", "T: kernel s/step", "X: one hop (s)", "fwd wall (s)", "fwd wall/ideal", "bwd wall (s)",
+                   "bwd wall/ideal", "no-overlap fwd would be"], rows)
+    real = [[x["world"], _f(x["wall_s"], 3), _f(x["kernel_s"], 3), _f(x["hop_s"], 4), _f(x["ideal_s"], 3),
+             _f(x["ratio_ideal"]), _f(x["serial_s"], 3), _f(x["ratio_serial"])] for x in r["real"]]
+    text += f"\n\nReal CPU kernel, causal, S={r['args']['real_seq_len']}, fwd+bwd:\n\n"
+    return text + _table(["N", "wall (s)", "kernel time (s)", "hop (s)", "ideal overlap (s)", "wall/ideal",
+                          "serial (s)", "wall/serial"], real)
+
+
+def e2e(r: Rec) -> str:
+    rows = [[x["mode"], "failed: " + x["error"], "", "", "", ""] if "error" in x else
+            [x["mode"], f"{x['ranks']}×{x['threads']}", _f(x["step_s"]), _f(x["peak_above_mib"], 1),
+             _f(x["peak_rss_mib"], 1), f"{x['loss_step1']:.6f}"] for x in r["rows"]]
+    return _table(["run", "processes×threads", "step (s, median)", "peak above baseline (MiB)", "peak RSS (MiB)",
+                   "loss, step 1"], rows)
+
+
+def kernel(r: Rec) -> str:
+    rows = [[x["dtype"], x["len"], _f(x["fwd_gflops"], 1), _f(x["bwd_gflops"], 1), _f(x["matmul_square_gflops"], 1),
+             _f(x["matmul_attn_shape_gflops"], 1), f"{x['fwd_efficiency'] * 100:.0f}%",
+             f"{x['bwd_efficiency'] * 100:.0f}%"] for x in r["rows"]]
+    return _table(["dtype", "L", "kernel fwd GFLOP/s", "kernel bwd GFLOP/s", "matmul 2048³ GFLOP/s",
+                   "matmul (H,L,D)@(H,D,L) GFLOP/s", "fwd / best matmul", "bwd / best matmul"], rows)
+
+
+def vs_torch(r: Rec) -> str:
+    rows = [[x["world"], x["seq_len"], "causal" if x["causal"] else "non-causal", x["impl"],
+             _f(x["seconds"], 3) if "seconds" in x else "`" + x["error"] + "`",
+             _f(x["ratio_vs_cp_compile"]) if "ratio_vs_cp_compile" in x else "",
+             f"{x['out_rel_diff']:.1e}" if "out_rel_diff" in x else ""] for x in r["rows"]]
+    return _table(["N", "S", "mask", "implementation", "fwd+bwd (s)", "× cp_compile", "out vs cp_compile"], rows)
+
+
+def compile_(r: Rec) -> str:
+    rows = [[x["cache"], _f(x["inductor_compile_s"], 1), _f(x["ring_cp_compile_s"], 1), _f(x["ratio_wall"]),
+             _f(x["inductor_compile_cpu_s"], 1), _f(x["ring_cp_compile_cpu_s"], 1), _f(x["ratio_cpu"])] for x in r["rows"]]
+    return _table(["cache", "inductor (s)", "ring_cp (s)", "ratio", "inductor CPU s", "ring_cp CPU s", "CPU ratio"], rows)
+
+
+def error(r: Rec) -> str:
+    rows = [[x["kernel"], x["dtype"], x["seq_len"], x["world"], *(f"{x[k]:.2e}" for k in ("out", "dq", "dk", "dv"))]
+            for x in r["rows"]]
+    text = _table(["kernel", "dtype", "S", "N", "out", "dq", "dk", "dv"], rows)
+    text += f"\n\nTriton kernel: {r['triton']}."
+    plot_error(r)
+    return text + f"\n\n![error vs ring size]({PLOTS['error']})"
+
+
+def plot_error(r: Rec) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: Dict[Any, List] = {}
+    for x in r["rows"]:
+        for k in ("out", "dq"):
+            series.setdefault((x["kernel"], x["dtype"], k), []).append((x["world"], x[k]))
+    for (kern, dt, k), pts in sorted(series.items()):
+        ax.plot(*zip(*sorted(pts)), marker="o", linestyle="-" if k == "out" else "--", label=f"{kern} {dt} {k}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ring size N (N=1: the single-device kernel)")
+    ax.set_ylabel("relative error vs fp64")
+    ax.set_title("ring attention error vs ring size (causal, zig-zag)")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(common.RESULTS, PLOTS["error"]), dpi=110)
+    plt.close(fig)
+
+
+SECTIONS = [
+    ("memory", "1. Memory scaling", memory), ("balance", "2. Load balance", balance),
+    ("overlap", "3. Overlap", overlap), ("e2e", "4. End to end", e2e), ("kernel", "5. Kernel efficiency", kernel),
+    ("vs_torch_cp", "6. Versus PyTorch's context_parallel", vs_torch), ("compile", "7. Compile time", compile_),
+    ("error", "Exactness: error vs ring size", error),
+]
