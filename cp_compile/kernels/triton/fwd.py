@@ -79,6 +79,22 @@ def cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
+    """The online-softmax update of (acc (BLOCK_M, BLOCK_D), m, l (BLOCK_M,)) by one key tile."""
+    t = dot(q, tl.trans(k), INTERP) * scale  # (BLOCK_M, BLOCK_N) fp32 logits
+    visible = (k_pos < kv_limit)[None, :]
+    if CAUSAL:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    t = tl.where(visible, t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(t, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows still keyless: no -inf - -inf
+    p = tl.exp(t - m_ref[:, None])  # masked -> 0
+    alpha = tl.exp(m_i - m_ref)
+    acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP), v, INTERP)
+    return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _fwd_step(
     Q, K, V, ACC, M, L, QPOS, KPOS, COUNTER,
     s_qb, s_qh, s_qm, s_qd,
@@ -123,19 +139,8 @@ def _fwd_step(
         if live:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
-            t = dot(q, tl.trans(k), INTERP) * scale  # (BLOCK_M, BLOCK_N) fp32 logits
-            visible = (k_pos < kv_limit)[None, :]
-            if CAUSAL:
-                visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            t = tl.where(visible, t, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(t, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows still keyless: no -inf - -inf
-            p = tl.exp(t - m_ref[:, None])  # (BLOCK_M, BLOCK_N), masked -> 0
-            alpha = tl.exp(m_i - m_ref)
             v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERP), v, INTERP)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, scale, CAUSAL, INTERP)
             if COUNT:
                 tl.atomic_add(COUNTER, 1)
 
