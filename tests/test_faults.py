@@ -90,6 +90,33 @@ def _ring_with_fault(fault_rank: int, step: int, how: str, timeout, linger: floa
     return None
 
 
+def _compiled_with_fault(timeout: float, linger: float):
+    """As :func:`_ring_with_fault` (rank 1 raises at its first attention's step 1), through a
+    Llama compiled with ``RingCP(timeout=...)``: the backend's timeout reaches the ring ops."""
+    import sys
+
+    import cp_compile
+    from cp_compile.kernels import register_kernel
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import models
+
+    register_kernel(FaultKernel(1, 1, "raise"), replace=True)
+    model, inputs = models.llama_factory(seq_len=32)
+    backend = cp_compile.RingCP(inner="aot_eager", kernel=FAULT_KERNEL, timeout=timeout)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        compiled(*inputs).backward()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        result = (type(e).__name__, str(e), time.monotonic() - t0)
+        if dist.get_rank() == 1:
+            _STOP.wait(linger)
+        return result
+    return None
+
+
 # --------------------------------------------------------------------------- isolated group
 
 
@@ -208,3 +235,12 @@ def test_default_limit_is_the_process_group_timeout():
     msg = _check_named_error(answers[0], 0, 1, limit=15.0)
     assert "no answer within 3 s (the process group's timeout)" in msg, msg
     assert answers[0][2] >= 2.5, answers[0]
+
+
+def test_backend_timeout_reaches_the_ring():
+    """RingCP(timeout=2): rank 1 raises inside the compiled model's first attention; rank 0
+    goes on to the second attention and gives up on rank 1 after 2 s, in the forward."""
+    answers = run_isolated(2, _compiled_with_fault, 2.0, 60.0)
+    assert "stand-in kernel failure on rank 1" in answers[1][1], answers[1]
+    msg = _check_named_error(answers[0], 0, 1, limit=15.0)
+    assert "(forward K/V)" in msg and "ring step 1 of 2" in msg and "no answer within 2 s" in msg, msg
