@@ -8,7 +8,10 @@ thread, for each layout and ring size N, every (rank r, step t) block of the rea
 is run with the real aten CPU kernel on exactly the rectangles the ring's plan
 computes (``cp_compile.ring.plan.step_segments``: rank r's queries against the K/V
 block of rank (r - t) mod N, causal over global positions), forward (kernel + the
-fp32 merge) and backward (kernel + the dQ accumulation) timed separately. Each block's
+fp32 merge) and backward (kernel + the dQ accumulation) timed separately, as CPU time
+of the computing thread (``time.thread_time``; one torch thread, so the kernels run
+on it): time the process spends descheduled by other work on the shared cores does
+not count, which wall time on a busy 2-core machine would. Each block's
 time is the median over ``--repeats`` (the layouts alternate block by block, so load
 from other processes hits them alike); the best-of-repeats makespan is reported too.
 A synchronous ring waits for its slowest rank at every step, so the makespan is
@@ -58,18 +61,18 @@ def _time_block(kernel, qr, kb, vb, segs, scale: float) -> tuple:
     acc_out = torch.zeros(qr.shape)  # (B, H, c, D) fp32 accumulator
     acc_lse = torch.zeros(qr.shape[:-1])  # (B, H, c)
     dq = torch.zeros(qr.shape)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time of this (the only computing) thread: other load doesn't count
     outs = []
     for s in segs:
         o, lse = kernel.forward(qr[:, :, s.q], kb[:, :, s.k], vb[:, :, s.k], causal=s.causal, scale=scale)
         merge_(acc_out[:, :, s.q], acc_lse[:, :, s.q], o, lse)
         outs.append((o, lse))
-    t1 = time.perf_counter()
+    t1 = time.thread_time()
     for s, (o, lse) in zip(segs, outs):
         dq_s, _, _ = kernel.backward(o, qr[:, :, s.q], kb[:, :, s.k], vb[:, :, s.k], o, lse,
                                      causal=s.causal, scale=scale)
         dq[:, :, s.q] += dq_s
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.thread_time() - t1
 
 
 def simulate(world: int, args) -> List[Dict[str, Any]]:

@@ -57,7 +57,7 @@ def run_one(name: str, cmd: List[str], i: int, total: int, t_all: float) -> int:
             if not line or "Terminating process" in line:
                 continue
             el, el_all = time.perf_counter() - t0, time.perf_counter() - t_all
-            status = f"{_bar(i, total)} {i}/{total} {name} {el:4.0f} s (total {el_all / 60:4.1f} min) | {line[:90]}"
+            status = f"{_bar(i - 1, total)} {i}/{total} {name} {el:4.0f} s (total {el_all / 60:4.1f} min) | {line[:90]}"
             print(("\r\033[K" + status) if tty else status, file=sys.stderr, end="" if tty else "\n", flush=True)
     rc = proc.wait()
     if tty:
@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.join(common.HERE, script), *(quick if args.quick else [])]
         if run_one(name, cmd, i, len(names), started):
             failed.append(name)
-    common.write_result("run_all", {"ran": names, "failed": failed, "quick": args.quick}, started, args)
+    if not args.only:  # the full run's record (command, total time) heads RESULTS.md; --only keeps it
+        common.write_result("run_all", {"ran": names, "failed": failed, "quick": args.quick}, started, args)
     import report
 
     report.render()
