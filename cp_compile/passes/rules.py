@@ -4,10 +4,11 @@
 |---|---|---|
 | pointwise (broadcasting) | + - * / neg pow, rsqrt/exp/..., silu/gelu/relu, to/float/type_as, masked_fill, where | Sharded(aligned d); Global operands with size S there are indexed by position |
 | per-token | linear, embedding, layer_norm, rms_norm, softmax/log_softmax (not over d) | Sharded(d) |
-| matmul | matmul / @ / bmm with a Global right side, d not contracted | Sharded(d) |
+| matmul | matmul / @ / bmm: tokens in the left side's rows, or in the right side's columns (RoPE as inv_freq @ position_ids), not contracted | Sharded(d) |
+| addmm | addmm(bias, x, W) with tokens in x's rows (HF GPT-2 Conv1D) | Sharded(0) |
 | views | view/reshape (baked length rewritten to the local one), flatten, (un)squeeze, transpose/permute/movedim, expand, contiguous | Sharded(where d moves) |
-| split/join | chunk/split/unbind/cat/stack/repeat_interleave not along d | Sharded(d) |
-| getitem | full slice along d | Sharded(d moved) |
+| split/join | chunk/split/unbind/cat/stack/repeat_interleave not along d; empty cat operands (HF's training KV cache) dropped | Sharded(d) |
+| getitem | ``...`` expanded; a slice covering all of d (``[:, 0:]``) | Sharded(d moved) |
 | reductions | sum/mean over d | all-reduce -> Global (mean: / global count) |
 | attention | scaled_dot_product_attention on Sharded q/k/v | ring_attention -> Sharded |
 | losses | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
@@ -103,11 +104,33 @@ def _trailing_feature_dims(node: fx.Node) -> int:
 
 
 def matmul(em: Emitter, node: fx.Node):
+    """``a @ b`` where exactly one side carries the tokens, along a dim the product keeps.
+
+    Tokens in a's rows: x (B, S, K) @ W (K, N) -> (B, S, N), Sharded(1).
+    Tokens in b's columns (RoPE written as ``inv_freq (B, D/2, 1) @ position_ids (B, 1, S)``
+    with position_ids an input): (B, D/2, S) Sharded(2). Contracting the tokens mixes them.
+    """
     a, b = node.args[0], node.args[1]
-    s = _sharded(em, a)
-    if s is None or _sharded(em, b) or s.dim >= _ndim(a) - 1:
-        return em.fallback(node, "matmul mixing tokens")
-    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim + _ndim(node) - _ndim(a), s.inner)
+    sa, sb = _sharded(em, a), _sharded(em, b)
+    if sa is not None and sb is None and sa.dim < _ndim(a) - 1 and _ndim(a) >= 2:
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
+    if sb is not None and sa is None and sb.dim == _ndim(b) - 1 and _ndim(b) >= 2 and sb.inner == 1:
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(_ndim(node) - 1)
+    return em.fallback(node, "matmul mixing tokens")
+
+
+def addmm(em: Emitter, node: fx.Node):
+    """``addmm(bias, x, W)`` (HF's GPT-2 ``Conv1D``) on tokens along the rows of x: a per-token linear.
+
+    Before: x (B*S, K) Sharded(0), W (K, N), bias (N,). After: the same call on the
+    local rows (B*c, K) -> (B*c, N) Sharded(0). A bias with rows of its own or a
+    sharded W mixes tokens and is gathered.
+    """
+    bias, x, w = node.args[:3]
+    s, bias_shape = _sharded(em, x), global_shape(bias) if isinstance(bias, fx.Node) else ()
+    if s is None or s.dim != 0 or _sharded(em, bias) or _sharded(em, w) or (len(bias_shape) == 2 and bias_shape[0] != 1):
+        return em.fallback(node, "addmm mixing tokens")
+    return em.copy(node, *em.value((node.args, node.kwargs))), s
 
 
 def view(em: Emitter, node: fx.Node):
@@ -184,8 +207,16 @@ def along_dim(em: Emitter, node: fx.Node):
 
 
 def concat(em: Emitter, node: fx.Node):
-    tensors = list(node.args[0])
+    """cat / stack of operands that share one sequence layout, not along the sequence dim.
+
+    Empty operands are dropped first: Hugging Face's KV cache in training is
+    ``torch.cat([torch.tensor([]), k], dim=-2)`` (a 1-D empty tensor, which cat skips),
+    so ``cat([empty (0,), k (B, H, S, D)], -2) -> k`` stays Sharded.
+    """
+    tensors = [t for t in node.args[0] if not _is_empty(t)] if node.target is not torch.stack else list(node.args[0])
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if len(tensors) == 1 and _sharded(em, tensors[0]):
+        return em.env[tensors[0]], _sharded(em, tensors[0])
     lays = {(s.dim, s.inner) for t in tensors if (s := _sharded(em, t))}
     nd = _ndim(tensors[0])
     seq_dim, inner = lays.pop() if len(lays) == 1 else (None, 1)
@@ -198,24 +229,60 @@ def concat(em: Emitter, node: fx.Node):
     return em.copy(node, (new_list, *em.value(node.args[1:])), em.value(node.kwargs)), Sharded(out_dim, inner)
 
 
+def _is_empty(t: Any) -> bool:
+    """A tensor operand with no elements (cat skips 1-D empties and adds nothing for others)."""
+    shape = global_shape(t) if isinstance(t, fx.Node) else None
+    return shape is not None and 0 in shape
+
+
 def getitem(em: Emitter, node: fx.Node):
+    """``x[idx]`` with basic indexing: Sharded unless the sequence dim is sliced to less than all of it.
+
+    ``...`` is expanded against x's rank, and a slice that covers the whole sequence dim
+    (``[:, 0:]`` from Hugging Face's ``logits_to_keep=0``, ``[:, :S]``) keeps it whole.
+    """
     x, index = node.args
     s = _sharded(em, x)
-    index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, fx.Node) or i is Ellipsis for i in index):
-        return em.fallback(node, "indexing with tensors or ... on a sharded value")
+    index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), _ndim(x))
+    if index is None or any(isinstance(i, fx.Node) for i in index):
+        return em.fallback(node, "indexing with tensors on a sharded value")
     in_dim, out_dim = 0, 0
     for i in index:
         if i is None:
             out_dim += 1
             continue
         if in_dim == s.dim:
-            if i == slice(None):
+            if _covers(i, global_shape(x)[in_dim], em.ctx.seq_sym is not None):
                 return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim, s.inner)
             return em.fallback(node, f"slicing the sequence dim with {i!r}")
         out_dim += 0 if isinstance(i, int) else 1
         in_dim += 1
     return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
+
+
+def _expand_ellipsis(index: tuple, ndim: int) -> Optional[tuple]:
+    """``index`` with ``...`` replaced by full slices (x of rank ``ndim``); None for two ``...``."""
+    n_ell = sum(1 for i in index if i is Ellipsis)
+    if n_ell == 0:
+        return index
+    if n_ell > 1:
+        return None
+    used = sum(1 for i in index if i is not None and i is not Ellipsis)
+    at = index.index(Ellipsis)
+    return index[:at] + (slice(None),) * (ndim - used) + index[at + 1:]
+
+
+def _covers(i: Any, size: int, symbolic: bool) -> bool:
+    """Whether index ``i`` (an int, slice, ...) selects all ``size`` entries of a dim in order.
+
+    Under a symbolic length only ``[:]`` / ``[0:]`` qualify: a literal bound equal to
+    today's S would not cover tomorrow's.
+    """
+    if not isinstance(i, slice) or not all(v is None or type(v) is int for v in (i.start, i.stop, i.step)):
+        return False  # tensor or symbolic bounds: not provably the whole dim
+    if symbolic:
+        return i.start in (None, 0) and i.stop is None and i.step in (None, 1)
+    return range(size)[i] == range(size)
 
 
 def reduction(em: Emitter, node: fx.Node):
@@ -277,6 +344,7 @@ def _table() -> Dict[Any, Rule]:
     t.update({("method", "softmax"): per_token, ("method", "log_softmax"): per_token})
     t.update({operator.matmul: matmul, torch.matmul: matmul, torch.bmm: matmul,
               ("method", "matmul"): matmul, ("method", "bmm"): matmul})
+    t.update({torch.addmm: addmm, ("method", "addmm"): addmm})
     t.update({("method", "view"): view, ("method", "reshape"): view, torch.reshape: view})
     for m in ("flatten", "squeeze", "unsqueeze", "contiguous"):
         t[("method", m)] = shape_only

@@ -31,18 +31,25 @@ def _source_name(node: fx.Node) -> str:
     return name() if callable(name) else str(name)
 
 
+# A forward() argument, possibly inside a container: L['x'], L['kwargs']['x'] (Hugging Face's
+# forward wrappers take **kwargs), L['batch']['input_ids'], L['args'][0]. Module state is
+# reached through L['self'] attributes and globals through G[...].
+_USER_SOURCE = re.compile(r"L\['(?!self')[^']+'\](\[[^\]]+\])*")
+
+
 def user_name(node: fx.Node) -> str:
-    """The argument name behind a Dynamo placeholder (``L['input_ids']`` -> ``input_ids``)."""
+    """The argument name behind a Dynamo placeholder (``L['input_ids']``, ``L['kwargs']['input_ids']``
+    -> ``input_ids``)."""
     name = _source_name(node)
-    m = re.fullmatch(r"L\['([^']+)'\]", name)
-    return m.group(1) if m else name
+    m = re.fullmatch(r"L\['([^']+)'\]|L\['kwargs'\]\['([^']+)'\]", name)
+    return next(g for g in m.groups() if g) if m else name
 
 
 def is_parameter_like(node: fx.Node, example: Optional[torch.Tensor]) -> bool:
     """Parameters, module buffers and anything else that is not a forward() argument."""
     if isinstance(example, torch.nn.Parameter):
         return True
-    return re.fullmatch(r"L\['[^']+'\]", _source_name(node)) is None
+    return _USER_SOURCE.fullmatch(_source_name(node)) is None
 
 
 def _dataflow(gm: fx.GraphModule) -> nx.DiGraph:
