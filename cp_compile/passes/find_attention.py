@@ -1,7 +1,9 @@
 """Pass 1: find every scaled_dot_product_attention and the sequence length S.
 
 Before: a Dynamo graph. After: the same graph; ``ctx.attention`` lists the SDPA
-nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D)).
+nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D));
+``ctx.mask_causal`` says, for each attention given a mask built in the graph, whether
+that mask is causal or full (:mod:`.masks`; any other mask is refused here).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
+from .masks import mask_is_causal
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
@@ -28,11 +31,6 @@ def sdpa_arg(node: fx.Node, index: int, name: str, default=None):
 
 def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
     where = source_line(node)
-    if sdpa_arg(node, 3, "attn_mask") is not None:
-        raise CPRewriteError(
-            f"cp_compile: scaled_dot_product_attention with an explicit attn_mask at {where} is not supported yet. "
-            "Fix: use is_causal=True (or no mask) for causal/bidirectional attention."
-        )
     dropout = sdpa_arg(node, 4, "dropout_p", 0.0)
     if not isinstance(dropout, (int, float)) or dropout != 0.0:
         raise CPRewriteError(
@@ -51,7 +49,22 @@ def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
             f"cp_compile: scaled_dot_product_attention at {where} has q/k/v sequence lengths {sorted(lens)}; "
             "context parallelism needs self-attention over one sequence (cross-attention is not supported)."
         )
-    return lens.pop()
+    seq_len = lens.pop()
+    _check_mask(node, ctx, seq_len)
+    return seq_len
+
+
+def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
+    """An attn_mask built in the graph must be causal or full (masks.py); record which."""
+    mask = sdpa_arg(node, 3, "attn_mask")
+    if mask is None:
+        return
+    if not isinstance(mask, fx.Node) or sdpa_arg(node, 5, "is_causal", False):
+        raise CPRewriteError(
+            f"cp_compile: scaled_dot_product_attention at {source_line(node)} takes an attn_mask that is not "
+            "built in the graph (or together with is_causal=True). Fix: use is_causal=True and no attn_mask."
+        )
+    ctx.mask_causal[node] = mask_is_causal(mask, node, seq_len)
 
 
 def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:

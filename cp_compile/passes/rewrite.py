@@ -253,6 +253,37 @@ def _refuse_random_global(node: fx.Node) -> None:
     )
 
 
+def _drop_unused_masks(em: Emitter) -> None:
+    """Erase the construction of attention masks the ring op replaced by its causal flag.
+
+    Only nodes that computed nothing else are erased: walking back from each mask, a
+    node goes when it has no users left and is a pure op (not in place, no side effect).
+    """
+    from .find_attention import sdpa_arg
+
+    todo, erased = list({em.env.get(sdpa_arg(n, 3, "attn_mask")) for n in em.ctx.mask_causal}), set()
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in erased or node.users or node.op not in ("call_function",
+                                                                                                "call_method"):
+            continue
+        if _mutates(node):
+            continue
+        inputs = node.all_input_nodes
+        em.graph.erase_node(node)
+        erased.add(node)
+        todo.extend(inputs)
+
+
+def _mutates(node: fx.Node) -> bool:
+    """In-place methods/functions (``x.add_``, ``torch.relu_``) and other impure calls (``operator.and_`` is pure)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    name = getattr(node.target, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__") and node.target not in (operator.and_, operator.or_)
+    return in_place or node.is_impure()
+
+
 def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
     from .rules import apply_rule  # the table imports Emitter's helpers
 
@@ -275,6 +306,7 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
             em.layouts[node] = GLOBAL
         else:
             em.env[node], em.layouts[node] = apply_rule(em, node)
+    _drop_unused_masks(em)
     new_gm = fx.GraphModule(gm, em.graph)
     new_gm.graph.lint()
     log.debug("cp_compile: rewritten graph\n%s", new_gm.code)

@@ -66,7 +66,9 @@ def sdpa(em, node: fx.Node):
     q = sdpa_arg(node, 0, "query")
     k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
     v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
-    causal = bool(sdpa_arg(node, 5, "is_causal", False))
+    # A mask built in the graph was recognised as causal or full (masks.py); it is dropped here
+    # and left unused, so the O(S^2) construction is removed as dead code.
+    causal = em.ctx.mask_causal.get(node, bool(sdpa_arg(node, 5, "is_causal", False)))
     scale = sdpa_arg(node, 6, "scale")
     if scale is None:
         scale = 1.0 / math.sqrt(global_shape(q)[-1])
