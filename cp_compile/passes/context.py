@@ -63,7 +63,7 @@ class RewriteContext:
     seq_len: int = 0  # S, the attention sequence length (find_attention); its hint if symbolic
     seq_sym: Any = None  # the SymInt S under dynamic shapes, else None
     attention: List[fx.Node] = field(default_factory=list)
-    mask_causal: Dict[fx.Node, bool] = field(default_factory=dict)  # attention with a graph-built mask -> causal?
+    masks: Dict[fx.Node, Any] = field(default_factory=dict)  # attention with a graph-built mask -> masks.MaskKind
     shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
     shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates
     fallbacks: List[str] = field(default_factory=list)

@@ -2,8 +2,9 @@
 
 Before: a Dynamo graph. After: the same graph; ``ctx.attention`` lists the SDPA
 nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D));
-``ctx.mask_causal`` says, for each attention given a mask built in the graph, whether
-that mask is causal or full (:mod:`.masks`; any other mask is refused here).
+``ctx.masks`` says, for each attention given a mask built in the graph, whether that
+mask is causal, full or a causal sliding window (:mod:`.masks`; any other mask is
+refused here).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
-from .masks import mask_is_causal
+from .masks import classify_mask
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
@@ -64,7 +65,14 @@ def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
             f"cp_compile: scaled_dot_product_attention at {source_line(node)} takes an attn_mask that is not "
             "built in the graph (or together with is_causal=True). Fix: use is_causal=True and no attn_mask."
         )
-    ctx.mask_causal[node] = mask_is_causal(mask, node, seq_len)
+    ctx.masks[node] = classify_mask(mask, node, seq_len, windows=ring_takes_window())
+
+
+def ring_takes_window() -> bool:
+    """Whether the ring op has a ``window`` argument (sliding-window attention); importing the
+    package (cp_compile/__init__.py) registered the op."""
+    schema = torch.ops.cp_compile.ring_attention_fwd.default._schema
+    return any(a.name == "window" for a in schema.arguments)
 
 
 def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:

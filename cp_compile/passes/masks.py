@@ -19,7 +19,8 @@ does. Instead the mask's expression is evaluated on abstract values, never on da
 integer tensors affine in the query and key positions (:class:`Affine`) and
 conjunctions of bounds on ``d = kv - q`` (:class:`Band`). A mask that reduces to
 ``d <= 0`` over the whole sequence is causal, one with no bound is full attention;
-both become the ring op's ``causal`` flag and the mask is dropped. Anything else (a
+both become the ring op's ``causal`` flag and the mask is dropped. ``-W < d <= 0`` is
+a sliding window of W keys, passed as the ring op's ``window`` when the op takes one. Anything else (a
 sliding window shorter than S, a padding mask read from ``attention_mask``, chunked
 attention) is refused with an error naming the op, the source line and the fix.
 """
@@ -50,11 +51,43 @@ class Band:
 Abstract = Union[Affine, Band, Flag, int, float, bool]
 
 
-def mask_is_causal(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> bool:
-    """Whether the graph-built ``mask`` of ``sdpa`` is causal (True) or full attention (False).
+@dataclass(frozen=True)
+class MaskKind:
+    """What a recognised mask means for the ring op: ``causal``, and ``window`` W > 0 when each
+    query also sees only its W most recent keys (``0 <= q - kv < W``), else -1."""
+
+    causal: bool
+    window: int = -1
+
+
+def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int, windows: bool) -> MaskKind:
+    """The meaning of the graph-built ``mask`` of ``sdpa``: causal, full, or (``windows``: the ring
+    op takes a window) a causal sliding window.
 
     Raises CPRewriteError for any other mask (names the op, its source line and the fix).
     """
+    band = _band(mask, sdpa)
+    full_lo = band.lo is None or band.lo <= -(seq_len - 1)
+    if full_lo and (band.hi is None or band.hi >= seq_len - 1):
+        return MaskKind(causal=False)
+    if band.hi == 0:
+        if full_lo:
+            return MaskKind(causal=True)
+        if windows and band.lo <= 0:
+            return MaskKind(causal=True, window=1 - band.lo)
+    window = f"a sliding window of {band.hi - band.lo + 1} keys" if band.lo is not None and band.hi is not None \
+        else f"keys at kv - q in [{band.lo}, {band.hi}]"
+    supported = "causal, full or causal sliding-window" if windows else "causal or full"
+    raise CPRewriteError(
+        f"cp_compile: the attention mask of scaled_dot_product_attention at {source_line(sdpa)} allows {window} "
+        f"per query (sequence length {seq_len}); ring attention supports {supported} attention only. "
+        "Fix: a window of at least the sequence length (e.g. config.sliding_window=None or >= S), "
+        "or run this model without context parallelism."
+    )
+
+
+def _band(mask: fx.Node, sdpa: fx.Node) -> Band:
+    """The mask as a band of kv - q, or CPRewriteError naming the op the analysis cannot follow."""
     memo: Dict[fx.Node, Abstract] = {}
     try:
         band = _eval(mask, memo)
@@ -71,19 +104,7 @@ def mask_is_causal(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> bool:
     if not isinstance(band, Band):
         raise CPRewriteError(f"cp_compile: the attention mask at {source_line(sdpa)} is not a boolean mask of "
                              "query and key positions. Fix: pass is_causal=True and no attn_mask.")
-    full_lo = band.lo is None or band.lo <= -(seq_len - 1)
-    if full_lo and (band.hi is None or band.hi >= seq_len - 1):
-        return False
-    if full_lo and band.hi == 0:
-        return True
-    window = f"a sliding window of {band.hi - band.lo + 1} keys" if band.lo is not None and band.hi is not None \
-        else f"keys at kv - q in [{band.lo}, {band.hi}]"
-    raise CPRewriteError(
-        f"cp_compile: the attention mask of scaled_dot_product_attention at {source_line(sdpa)} allows {window} "
-        f"per query (sequence length {seq_len}); ring attention supports causal or full attention only. "
-        "Fix: a window of at least the sequence length (e.g. config.sliding_window=None or >= S), "
-        "or run this model without context parallelism."
-    )
+    return band
 
 
 def _op_name(node: fx.Node) -> str:

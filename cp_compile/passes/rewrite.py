@@ -261,7 +261,7 @@ def _drop_unused_masks(em: Emitter) -> None:
     """
     from .find_attention import sdpa_arg
 
-    todo, erased = list({em.env.get(sdpa_arg(n, 3, "attn_mask")) for n in em.ctx.mask_causal}), set()
+    todo, erased = list({em.env.get(sdpa_arg(n, 3, "attn_mask")) for n in em.ctx.masks}), set()
     while todo:
         node = todo.pop()
         if not isinstance(node, fx.Node) or node in erased or node.users or node.op not in ("call_function",

@@ -66,9 +66,11 @@ def sdpa(em, node: fx.Node):
     q = sdpa_arg(node, 0, "query")
     k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
     v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
-    # A mask built in the graph was recognised as causal or full (masks.py); it is dropped here
-    # and left unused, so the O(S^2) construction is removed as dead code.
-    causal = em.ctx.mask_causal.get(node, bool(sdpa_arg(node, 5, "is_causal", False)))
+    # A mask built in the graph was recognised as causal, full or a sliding window (masks.py); it
+    # is dropped here and left unused, so rewrite.py erases its O(S^2) construction.
+    kind = em.ctx.masks.get(node)
+    causal = kind.causal if kind is not None else bool(sdpa_arg(node, 5, "is_causal", False))
+    window = {"window": kind.window} if kind is not None and kind.window > 0 else {}
     scale = sdpa_arg(node, 6, "scale")
     if scale is None:
         scale = 1.0 / math.sqrt(global_shape(q)[-1])
@@ -79,7 +81,7 @@ def sdpa(em, node: fx.Node):
     ctx = em.ctx
     out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
                   _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), causal, float(scale),
-                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len())
+                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **window)
     return em.call(operator.getitem, out, 0), Sharded(2)
 
 
