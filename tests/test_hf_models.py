@@ -1,0 +1,197 @@
+"""Hugging Face ``transformers`` causal LMs, unmodified, through the ring_cp backend.
+
+Each rank builds the same tiny random model twice from one seed (examples/hf_models.py):
+one copy runs eagerly on the full sequence (the single-device reference), the other is
+compiled with ``backend="ring_cp"`` and runs context-parallel. The model is called the
+way users call it, ``model(input_ids=..., labels=...)``: Hugging Face's ForCausalLMLoss
+shifts the labels inside the graph (``pad(labels, (0, 1), -100)[..., 1:]``), and the loss
+and every parameter gradient must equal the reference (fp32, relative error <= 1e-5),
+with no op gathering the sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import hf_models  # noqa: E402
+
+import cp_compile  # noqa: E402
+
+TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
+    """||a - b|| / ||b||, with ||b|| taken as at least ``floor``."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
+
+
+def _grad_errors(cp_model: torch.nn.Module, ref_model: torch.nn.Module) -> dict:
+    """Relative error of every parameter gradient. A gradient that is zero in exact arithmetic
+    (a key projection's bias: softmax ignores a constant shift of the scores) is rounding noise
+    on both sides; it is measured against 1e-3 of the largest reference gradient's norm."""
+    refs = dict(ref_model.named_parameters())
+    floor = 1e-3 * max(p.grad.double().norm().item() for p in refs.values())
+    return {n: _rel(p.grad, refs[n].grad, floor) for n, p in cp_model.named_parameters()}
+
+
+def _summary(backend: cp_compile.RingCP) -> dict:
+    """Ring attentions in the rewritten graph(s), and fallbacks (ops run on the gathered sequence;
+    outputs such as the logits are gathered at the end, as the uncompiled model returns them whole)."""
+    targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    return {"ring": sum("ring_attention_fwd" in t for t in targets), "fallbacks": len(backend.fallbacks)}
+
+
+def _compare(family: str, seq_len: int, overrides: dict, options: dict) -> dict:
+    """On every rank: loss and worst gradient relative errors of ring_cp against one process."""
+    torch._dynamo.reset()
+    ids, labels = hf_models.hf_tokens(seq_len)
+    ref_model, cp_model = (hf_models.hf_model(family, **overrides) for _ in range(2))
+    ref = ref_model(input_ids=ids, labels=labels)
+    ref.loss.backward()
+    backend = cp_compile.RingCP(inner="aot_eager", **options)
+    out = torch.compile(cp_model, backend=backend, fullgraph=True)(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = _grad_errors(cp_model, ref_model)
+    worst = max(grads, key=grads.get)
+    return {"loss": _rel(out.loss.detach(), ref.loss.detach()), "grad": grads[worst], "worst": worst,
+            "logits": _rel(out.logits.detach(), ref.logits.detach()), **_summary(backend)}
+
+
+def _check(results: list, n_layers: int = 2) -> None:
+    for rank, r in enumerate(results):
+        assert r["loss"] <= TOL and r["grad"] <= TOL and r["logits"] <= TOL, (rank, r)
+        assert r["fallbacks"] == 0, (rank, r)
+        assert r["ring"] == n_layers, (rank, r)  # every layer's attention became the ring
+
+
+# family, config overrides: what each case exercises (tiny configs in examples/hf_models.py).
+# Qwen2/3, Gemma, Gemma3, Phi, Phi-3, OLMo-2, GPT-NeoX and OPT are exact too (see the README);
+# the file keeps to a few families so that it runs in about a minute on two cores.
+CASES = [
+    ("llama", {}),  # RoPE from inv_freq * position_ids, GQA, KV-cache concat (the cache is returned whole)
+    ("gpt2", {}),  # learned absolute positions wpe(position_ids), Conv1D = addmm, tied head
+    # A mask built in the graph: packed-sequence ids (cumsum of diff of position_ids) and a
+    # sliding window as long as the sequence, recognised as causal and never materialised.
+    ("mistral", {"sliding_window": 64, "use_cache": False}),
+]
+
+
+@pytest.mark.parametrize("family,overrides", CASES, ids=[c[0] for c in CASES])
+def test_hf_causal_lm_is_exact_on_two_ranks(ranks, family: str, overrides: dict) -> None:
+    _check(ranks.run(2, _compare, family, 64, overrides, {}, timeout=240))
+
+
+def test_hf_sliding_window_shorter_than_the_sequence(ranks) -> None:
+    """Mistral, window 16 of S = 64: exact through the ring op's window (when it has one)."""
+    from cp_compile.passes.find_attention import ring_takes_window
+
+    if ring_takes_window():
+        _check(ranks.run(2, _compare, "mistral", 64, {"sliding_window": 16, "use_cache": False}, {}, timeout=240))
+        return
+    with pytest.raises(AssertionError, match="allows a sliding window of 16 keys"):
+        ranks.run(2, _compare, "mistral", 64, {"sliding_window": 16, "use_cache": False}, {}, timeout=240)
+
+
+def test_hf_llama_on_four_ranks_with_padding(ranks) -> None:
+    """S = 60 does not divide by 2N = 8: the graph pads the sequence, and stays exact."""
+    _check(ranks.run(4, _compare, "llama", 60, {}, {}, timeout=300))
+
+
+# -- masks built in the graph, recognised structurally (no process group: cp_compile.inspect_graph) --
+class _MaskedAttention(torch.nn.Module):
+    """One attention over x (B, S, 16) with a mask written the way Hugging Face builds it."""
+
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.proj, self.mask = torch.nn.Linear(16, 16), mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.proj(x).view(B, S, 2, 8).transpose(1, 2)  # (B, 2, S, 8)
+        qi = torch.arange(S)[None, None, :, None] + 0  # (1, 1, S, 1)
+        ki = torch.arange(S)[None, None, None, :] + 0  # (1, 1, 1, S)
+        mask = {
+            "causal": lambda: qi.new_ones((), dtype=torch.bool) & (ki <= qi),
+            "causal_flipped": lambda: qi >= ki,
+            "window_as_long_as_s": lambda: (ki > qi - S) & (ki <= qi),
+            "full": lambda: (qi >= 0) & (ki >= 0),
+            "window_4": lambda: (ki > qi - 4) & (ki <= qi),
+            "no_upper_bound": lambda: ki > qi - 4,
+            "float": lambda: (ki <= qi).float(),
+        }[self.mask]()
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask.expand(B, -1, S, S))
+        return out.sum()
+
+
+@pytest.mark.parametrize("mask,causal", [("causal", True), ("causal_flipped", True),
+                                         ("window_as_long_as_s", True), ("full", False)])
+def test_graph_built_masks_become_the_ring_causal_flag(mask: str, causal: bool) -> None:
+    from cp_compile.inspect_graph import inspect
+
+    S = 32
+    report = inspect(_MaskedAttention(mask), (torch.randn(2, S, 16),), world_size=2)
+    rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    assert [n.args[3] for n in rings] == [causal] and "window" not in rings[0].kwargs
+    for n in report.after.graph.nodes:  # the S x S mask is never built
+        val = n.meta.get("val")
+        assert not (isinstance(val, torch.Tensor) and list(val.shape).count(S) >= 2), n.format_node()
+
+
+def test_sliding_window_mask_becomes_the_ring_window_or_is_refused() -> None:
+    """A window shorter than S is the ring op's ``window`` where the op takes one; else refused."""
+    from cp_compile.inspect_graph import inspect
+    from cp_compile.passes.context import CPRewriteError
+    from cp_compile.passes.find_attention import ring_takes_window
+
+    model, x = _MaskedAttention("window_4"), (torch.randn(2, 32, 16),)
+    if not ring_takes_window():
+        with pytest.raises(CPRewriteError, match="allows a sliding window of 4 keys per query"):
+            inspect(model, x, world_size=2)
+        return
+    rings = [n for n in inspect(model, x, world_size=2).after.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    assert [(n.args[3], n.kwargs.get("window")) for n in rings] == [(True, 4)]
+
+
+@pytest.mark.parametrize("mask,message", [
+    ("no_upper_bound", "allows keys at kv - q in [-3, None] per query (sequence length 32)"),
+    ("float", "a conversion of a boolean mask to numbers"),
+])
+def test_other_graph_built_masks_are_refused_with_op_line_and_fix(mask: str, message: str) -> None:
+    from cp_compile.inspect_graph import inspect
+    from cp_compile.passes.context import CPRewriteError
+
+    with pytest.raises(CPRewriteError) as err:
+        inspect(_MaskedAttention(mask), (torch.randn(2, 32, 16),), world_size=2)
+    text = str(err.value)
+    assert message in text and "test_hf_models.py:" in text and "Fix:" in text, text
+
+
+class _RopeMatmul(torch.nn.Module):
+    """RoPE as older Hugging Face versions write it: ``inv_freq (B, 4, 1) @ position_ids (B, 1, S)``,
+    with position_ids a model input (so it is sharded along with the tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        inv = self.inv_freq[None, :, None].expand(B, -1, 1)  # (B, 4, 1)
+        freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)  # (B, S, 4)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, S, 8)
+        q = self.proj(x).view(B, S, 2, 8).transpose(1, 2) * emb.cos()  # (B, 2, S, 8)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+
+
+def test_rope_matmul_with_sharded_positions_needs_no_gather() -> None:
+    from cp_compile.inspect_graph import inspect
+
+    S = 32
+    report = inspect(_RopeMatmul(), (torch.randn(2, S, 16), torch.arange(S)[None].expand(2, -1)), world_size=2)
+    assert sorted(report.shard_inputs.values()) == [1, 1] and report.fallbacks == [], report.fallbacks
