@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -26,6 +26,19 @@ def _check_nonempty(q: Tensor, k: Tensor) -> None:
             "cp_compile internal error: the aten block kernel was asked for an empty block "
             f"(q {tuple(q.shape)}, k {tuple(k.shape)}); the CPU flash op would crash. "
             "Please report this with the ring options used."
+        )
+
+
+def _cpu_mask(mask: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+    """The CPU flash op wants an additive mask of q's dtype, (B|1, H|1, Lq, Lk)."""
+    return None if mask is None else mask.to(q.dtype)
+
+
+def _no_cuda_mask(mask: Optional[Tensor]) -> None:
+    if mask is not None:
+        raise ValueError(
+            "cp_compile: the aten kernel's CUDA flash op takes no mask. Fix: for a sliding window use "
+            "kernel='triton'; explicit attn_mask tensors run on CPU (kernel='aten') or kernel='reference'."
         )
 
 
@@ -44,6 +57,7 @@ class AtenKernel:
     """Flash-attention block kernel on the aten ops. See :mod:`cp_compile.kernels.base`."""
 
     name = "aten"
+    supports_masks = True  # on CPU; see _cpu_mask
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type == "cpu":
@@ -52,10 +66,14 @@ class AtenKernel:
             return dtype in (torch.bfloat16, torch.float16)
         return False
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+                mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         _check_nonempty(q, k)
         if q.device.type == "cpu":
-            return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return _aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, attn_mask=_cpu_mask(mask, q), scale=scale
+            )
+        _no_cuda_mask(mask)
         h = q.shape[1]
         res = _aten._scaled_dot_product_flash_attention(
             q, _expand_kv(k, h), _expand_kv(v, h), 0.0, causal, False, scale=scale
@@ -73,14 +91,16 @@ class AtenKernel:
         *,
         causal: bool,
         scale: float,
+        mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
         _check_nonempty(q, k)
         out = out.to(q.dtype).contiguous()
         lse = lse.contiguous()
         if q.device.type == "cpu":
             return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
+                dout.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=_cpu_mask(mask, q), scale=scale
             )
+        _no_cuda_mask(mask)
         return self._cuda_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
     @staticmethod

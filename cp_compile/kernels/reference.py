@@ -7,7 +7,7 @@ shapes, not production. Any device. GQA is handled by viewing the query heads as
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -23,10 +23,13 @@ def _grouped(q: Tensor, h_kv: int) -> Tensor:
     return q.reshape(b, h_kv, h // h_kv, lq, d)  # (B, H_kv, G, Lq, D)
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """Masked scores (B, H_kv, G, Lq, Lk) in the compute dtype."""
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask: Optional[Tensor] = None) -> Tensor:
+    """Masked scores (B, H_kv, G, Lq, Lk) in the compute dtype; ``mask`` additive, (B|1, H|1, Lq, Lk)."""
     ct = _compute_dtype(q.dtype)
     s = torch.einsum("bngqd,bnkd->bngqk", _grouped(q.to(ct), k.shape[1]), k.to(ct)) * scale
+    if mask is not None:
+        b, h_kv, g, lq, lk = s.shape
+        s = s + mask.to(ct).expand(b, h_kv * g, lq, lk).reshape(b, h_kv, g, lq, lk)
     if causal:
         lq, lk = s.shape[-2:]
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
@@ -38,13 +41,15 @@ class ReferenceKernel:
     """Exact, simple, O(Lq*Lk) memory. See :mod:`cp_compile.kernels.base` for the contract."""
 
     name = "reference"
+    supports_masks = True
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+                mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         b, h, lq, d = q.shape
-        s = _scores(q, k, causal, scale)  # (B, H_kv, G, Lq, Lk)
+        s = _scores(q, k, causal, scale, mask)  # (B, H_kv, G, Lq, Lk)
         lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, Lq)
         safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
         p = torch.exp(s - safe.unsqueeze(-1))  # rows with no key: exp(-inf) = 0
@@ -62,9 +67,10 @@ class ReferenceKernel:
         *,
         causal: bool,
         scale: float,
+        mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
         h_kv = k.shape[1]
-        s = _scores(q, k, causal, scale)
+        s = _scores(q, k, causal, scale, mask)
         ct = s.dtype
         lse_g = _grouped(lse.to(ct).unsqueeze(-1), h_kv)  # (B, H_kv, G, Lq, 1)
         safe = torch.where(torch.isneginf(lse_g), torch.zeros_like(lse_g), lse_g)

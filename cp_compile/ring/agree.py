@@ -2,15 +2,17 @@
 
 Ranks that pass different shapes or options to the ring would post transfers of
 different sizes or in different patterns: at best a transport error, at worst a hang
-or silently wrong numbers. So the first call with a given set of arguments runs one
-small all-gather of their metadata (shapes, dtype, causal, scale, layout, rotation,
-kernel, padding): every rank then sees every rank's arguments, and if they differ
-*every* rank raises the same ``ValueError`` listing them, before any K/V moves.
-Later calls with arguments this process has already verified skip the collective.
+or silently wrong numbers. So every call runs one small all-gather of its metadata
+(shapes, dtype, causal, scale, layout, rotation, kernel, padding, window, mask):
+every rank then sees every rank's arguments, and if they differ *every* rank raises
+the same ``ValueError`` listing them, before any K/V moves.
 
-Limit: if one rank repeats verified arguments while another brings new ones, only
-the second runs the check; the ranks then wait for each other, and the ring's
-timeout (:mod:`.faults`) turns that into an error naming the peer and the cause.
+Why every call and not only the first with new arguments: whether to skip must be
+the same decision on every rank, and a rank cannot know without asking whether its
+peers' arguments are new. (A per-process "already verified" cache let a rank repeat
+old arguments and skip the check while a peer with new ones waited in it: a hang,
+seen in the test suite.) The cost is one all-gather of ~30 int64 per ring call,
+next to N K/V transfers.
 
 :func:`check_device` refuses inputs on a device the group's backend cannot move.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Any, List, Sequence, Set, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,8 +37,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FIELDS: Tuple[Tuple[str, int], ...] = (
     ("q shape", 4), ("k shape", 4), ("v shape", 4), ("dtype", 1), ("causal", 1), ("scale", 1),
     ("load_balance", 1), ("rotate", 1), ("kernel", 1), ("padding (valid length)", 1),
+    ("sliding window", 1), ("attn_mask given", 1),
 )
-_VERIFIED: Set[Tuple[str, Tuple[int, ...]]] = set()
 
 
 def check_device(group: CPGroup, device: torch.device) -> None:
@@ -65,12 +67,14 @@ def _scale_bits(scale: float) -> int:
 
 
 def metadata(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, load_balance: str,
-             rotate: str, kernel: str, valid_len: int) -> Tuple[int, ...]:
+             rotate: str, kernel: str, valid_len: int, window: int = -1,
+             attn_mask: Optional[Tensor] = None) -> Tuple[int, ...]:
     """This call's arguments as a row of ints (see ``_FIELDS``)."""
     dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 100 + _code(str(q.dtype)) % 1000
     return (
         *q.shape, *k.shape, *v.shape, dtype, int(bool(causal)), _scale_bits(scale),
         LOAD_BALANCES.index(load_balance), ROTATES.index(rotate), _code(kernel), int(valid_len),
+        int(window), int(attn_mask is not None),
     )
 
 
@@ -107,8 +111,8 @@ def _differences(rows: List[Tuple[int, ...]], kernel: str) -> List[str]:
 
 
 def check_same_call(meta: Tuple[int, ...], group: CPGroup, device: torch.device, kernel: str) -> None:
-    """Raise ``ValueError`` on every rank if the ranks' ``meta`` rows differ (first call per row only)."""
-    if group.pg is None or group.size == 1 or (group.name, meta) in _VERIFIED:
+    """Raise ``ValueError`` on every rank if the ranks' ``meta`` rows differ."""
+    if group.pg is None or group.size == 1:
         return
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     rows = torch.empty(group.size * len(meta), dtype=torch.int64, device=device)
@@ -124,4 +128,3 @@ def check_same_call(meta: Tuple[int, ...], group: CPGroup, device: torch.device,
             "load_balance, rotate, kernel); with the ring_cp backend or @context_parallel every rank passes "
             "the same full batch."
         )
-    _VERIFIED.add((group.name, meta))

@@ -13,6 +13,7 @@ from ..config import RingOptions
 from ..kernels import get_kernel
 from ..layout import check_seq_len
 from .agree import check_device
+from .masking import additive_mask
 
 Tensor = torch.Tensor
 
@@ -60,6 +61,49 @@ def _check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
+def _check_window(window: Optional[int], causal: bool) -> int:
+    if window is None:
+        return -1
+    if not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        _fail(
+            f"window={window!r}: a sliding window is a positive int and needs causal=True "
+            "(query i sees keys i-window+1..i). Fix: pass causal=True, window=W."
+        )
+    return window
+
+
+def _check_kernel_masks(kern: Any, window: int, mask: Optional[Tensor]) -> None:
+    """Block kernels need ``supports_masks`` for a window or a mask; fused ones do windows natively."""
+    needs = mask is not None or (window > 0 and not getattr(kern, "fuses_merge", False))
+    if needs and not getattr(kern, "supports_masks", False):
+        _fail(f"kernel {kern.name!r} takes no masks, which window= and attn_mask= need. Fix: kernel='aten'.")
+
+
+def _local_mask(mask: Tensor, q: Tensor, n: int, causal: bool, kernel: str) -> Tensor:
+    """The user's mask rows as additive float32 (B|1, H|1, c, S), or an error naming the fix."""
+    b, h, c, _ = q.shape
+    s = c * n
+    if causal:
+        _fail("attn_mask and causal=True together (as in F.scaled_dot_product_attention, pick one). "
+              "Fix: fold causality into the mask, or pass causal=True without a mask.")
+    if mask.requires_grad:
+        _fail("attn_mask requires grad; the ring treats masks as constants. Fix: pass attn_mask.detach().")
+    if mask.device != q.device:
+        _fail(f"attn_mask is on {mask.device}, q on {q.device}. Fix: move the mask to q's device.")
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+    ok = m.dim() == 4 and m.shape[0] in (1, b) and m.shape[1] in (1, h) and tuple(m.shape[2:]) == (c, s)
+    if not ok:
+        _fail(
+            f"attn_mask has shape {tuple(mask.shape)}; expected this rank's query rows over all keys, "
+            f"broadcastable to (B={b}, H={h}, S_local={c}, S={s}). Fix: pass cp_compile.shard(mask, dim=-2) "
+            "of the full (..., S, S) mask, with the same load_balance."
+        )
+    if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
+        _fail("the Triton kernels take no explicit attn_mask (they mask by position). "
+              "Fix: causal=True / window=W when the mask is one of those, else kernel='aten' (CPU).")
+    return additive_mask(m)
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -72,6 +116,8 @@ def ring_attention(
     rotate: str = "p2p",
     kernel: str = "auto",
     timeout: Optional[float] = None,
+    window: Optional[int] = None,
+    attn_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence split across the ranks of a CP group.
 
@@ -87,6 +133,14 @@ def ring_attention(
         rotate: "p2p" (double-buffered ring) | "allgather".
         kernel: "auto" (CUDA: "triton" if installed; else "aten") | "aten" | "triton"
             | "reference" | a registered kernel name.
+        window: with ``causal=True``, a sliding window: query i sees keys i-window+1..i
+            (global positions), as Mistral's ``sliding_window``. Steps wholly outside
+            the window are skipped; no S x S mask is built.
+        attn_mask: without ``causal``, this rank's query rows of an explicit mask over
+            the full sequence: bool (True = attend) or additive float, broadcastable
+            to (B, H, S_local, S) with keys in global order, e.g.
+            ``cp_compile.shard(full_mask, dim=-2)``. O(S_local x S) memory per rank:
+            prefer ``causal``/``window`` when the mask is one of those.
         timeout: seconds each wait for a peer may take before the op raises
             ``cp_compile.ring.faults.RingCommError`` naming the peer, ring step and
             direction; None (default): the process group's own timeout.
@@ -97,19 +151,22 @@ def ring_attention(
         of size 1 this is ``F.scaled_dot_product_attention``.
     """
     _check_tensors(q, k, v)
+    window = _check_window(window, causal)  # -1: none
     opts = RingOptions(load_balance=load_balance, rotate=rotate, kernel=kernel, timeout=timeout)
     g = resolve_group(group)
     check_seq_len(q.shape[2] * g.size, g.size, opts.load_balance)
     if not torch.compiler.is_compiling():  # traced: the op checks it when it runs
         check_device(g, q.device)  # a device the group cannot move: fail here, on every rank
-    get_kernel(opts.kernel, q.device, q.dtype)  # unknown or unsupported kernel: fail here, on every rank
+    kern = get_kernel(opts.kernel, q.device, q.dtype)  # unknown or unsupported kernel: fail here, on every rank
+    mask = None if attn_mask is None else _local_mask(attn_mask, q, g.size, causal, opts.kernel)
+    _check_kernel_masks(kern, window, mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if g.size == 1:
+    if g.size == 1 and window < 0 and mask is None:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
     out, _ = torch.ops.cp_compile.ring_attention_fwd(
         q, k, v, bool(causal), scale, g.name, opts.load_balance, opts.rotate, opts.kernel,
-        timeout=opts.timeout or -1.0,
+        timeout=opts.timeout or -1.0, window=window, attn_mask=mask,
     )
     return out

@@ -66,10 +66,10 @@ class TritonKernel:
         return fwd.new_state(q)
 
     def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: State, q_pos: Tensor, k_pos: Tensor, *,
-                     causal: bool, scale: float, kv_limit: int = fwd.NO_LIMIT,
+                     causal: bool, scale: float, kv_limit: int = fwd.NO_LIMIT, window: int = fwd.NO_LIMIT,
                      counter: Optional[Tensor] = None) -> None:
         fwd.forward_step(q, k, v, state, q_pos, k_pos, causal=causal, scale=scale, kv_limit=kv_limit,
-                         counter=counter, tiles=self.tiles)
+                         window=window, counter=counter, tiles=self.tiles)
 
     def finalize(self, state: State, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         return fwd.finalize(state, dtype)
@@ -79,9 +79,10 @@ class TritonKernel:
 
     def backward_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dlt: Tensor,
                       grads: State, q_pos: Tensor, k_pos: Tensor, *, causal: bool, scale: float,
-                      kv_limit: int = fwd.NO_LIMIT, counter: Optional[Tensor] = None) -> None:
+                      kv_limit: int = fwd.NO_LIMIT, window: int = fwd.NO_LIMIT,
+                      counter: Optional[Tensor] = None) -> None:
         bwd.backward_step(dout, q, k, v, lse, dlt, grads, q_pos, k_pos, causal=causal, scale=scale,
-                          kv_limit=kv_limit, counter=counter, tiles=self.tiles)
+                          kv_limit=kv_limit, window=window, counter=counter, tiles=self.tiles)
 
     # ---- block-kernel API: one step over local positions --------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:

@@ -80,7 +80,6 @@ def run(args: argparse.Namespace) -> List[dict]:
     cuda = torch.cuda.is_available()
     device, seq = ("cuda", args.seq_len) if cuda else ("cpu", max(64 * args.world_size, args.seq_len // args.cpu_scale))
     dtype, kern = DTYPES[args.dtype], TritonKernel()
-    c = seq // args.world_size
     g = torch.Generator(device=device).manual_seed(0)
     mk = lambda h, n: torch.randn(args.batch, h, n, args.head_dim, device=device, dtype=dtype, generator=g)  # noqa: E731
     rows = []

@@ -19,7 +19,7 @@ a fixed order (bit-reproducible):
   tiles; it adds into the fp32 DQ (B, H, S_q, D) that stays on this rank.
 
 Masking and tile skipping are the forward's (:mod:`.fwd`): by global positions, with
-``kv_limit`` marking padding. Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
+``kv_limit`` marking padding and ``window`` a sliding window. Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
 Q, K, V, dO: (B, H(_kv), S, D) any strides; DQ, DK, DV fp32 contiguous; LSE, DELTA
 (B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32.
 """
@@ -33,18 +33,16 @@ import triton
 import triton.language as tl
 
 from .configs import BWD_KV_CONFIGS, BWD_Q_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
-from .fwd import NO_LIMIT, cast, dot
+from .fwd import NO_LIMIT, cast, dot, tile_live, visible_pairs
 
 Tensor = torch.Tensor
 
 
 @triton.jit
-def _probs(q, k, lse, q_pos, k_pos, kv_limit, scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
+def _probs(q, k, lse, q_pos, k_pos, kv_limit, window, scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
     """P (BLOCK_M, BLOCK_N) fp32 of one tile: exp(scale q·k - lse) where visible, else 0."""
     t = dot(q, tl.trans(k), INTERP) * scale
-    visible = (k_pos < kv_limit)[None, :] & (lse > float("-inf"))[:, None]
-    if CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    visible = visible_pairs(q_pos, k_pos, kv_limit, window, CAUSAL) & (lse > float("-inf"))[:, None]
     lse_ref = tl.where(lse > float("-inf"), lse, 0.0)
     return tl.exp(tl.where(visible, t - lse_ref[:, None], float("-inf")))  # masked: exp(-inf) = 0
 
@@ -56,7 +54,7 @@ def _bwd_dkdv(
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_om, s_od,
-    H, S_q, S_k, D, kv_limit, scale,
+    H, S_q, S_k, D, kv_limit, window, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -83,17 +81,15 @@ def _bwd_dkdv(
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < S_q
                 q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)  # (BLOCK_M,)
-                live = k_min < 2147483647
-                if CAUSAL:
-                    live = k_min <= tl.max(q_pos, axis=0)
-                if live:
+                q_min = tl.min(tl.where(m_ok, q_pos, 2147483647), axis=0)
+                if tile_live(q_min, tl.max(q_pos, axis=0), k_pos, n_ok, kv_limit, window, CAUSAL):
                     qd_mask = m_ok[:, None] & d_ok[None, :]
                     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
                     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
                     row = (b * H + h) * S_q + offs_m
                     lse = tl.load(LSE + row, mask=m_ok, other=float("-inf"))
                     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
-                    p = _probs(q, k, lse, q_pos, k_pos, kv_limit, scale, CAUSAL, INTERP)  # (BLOCK_M, BLOCK_N)
+                    p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, scale, CAUSAL, INTERP)  # (BLOCK_M, BLOCK_N)
                     dv += dot(tl.trans(cast(p, do.dtype, INTERP)), do, INTERP)
                     dp = dot(do, tl.trans(v), INTERP)  # (BLOCK_M, BLOCK_N)
                     ds = p * (dp - delta[:, None])
@@ -110,7 +106,7 @@ def _bwd_dq(
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_om, s_od,
-    H, S_q, S_k, D, kv_limit, scale,
+    H, S_q, S_k, D, kv_limit, window, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -126,6 +122,7 @@ def _bwd_dq(
     qd_mask = m_ok[:, None] & d_ok[None, :]
     q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)
     q_max = tl.max(q_pos, axis=0)
+    q_min = tl.min(tl.where(m_ok, q_pos, 2147483647), axis=0)
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
     row = pid_bh * S_q + offs_m
@@ -136,15 +133,11 @@ def _bwd_dq(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < S_k
         k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)
-        k_min = tl.min(k_pos, axis=0)
-        live = k_min < kv_limit
-        if CAUSAL:
-            live = live & (k_min <= q_max)
-        if live:
+        if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            p = _probs(q, k, lse, q_pos, k_pos, kv_limit, scale, CAUSAL, INTERP)
+            p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, scale, CAUSAL, INTERP)
             dp = dot(do, tl.trans(v), INTERP)
             ds = p * (dp - delta[:, None])
             dq += dot(cast(ds, k.dtype, INTERP), k, INTERP)
@@ -177,6 +170,7 @@ def backward_step(
     causal: bool,
     scale: float,
     kv_limit: int = NO_LIMIT,
+    window: int = NO_LIMIT,
     counter: Optional[Tensor] = None,
     tiles: Optional[Tiles] = None,
 ) -> None:
@@ -190,7 +184,7 @@ def backward_step(
     b, h, s_q, d = q.shape
     h_kv, s_k = k.shape[1], k.shape[2]
     lse = lse.float().contiguous()
-    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), h, s_q, s_k, d, kv_limit, scale)
+    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), h, s_q, s_k, d, kv_limit, window, scale)
     consts = dict(GROUP=h // h_kv, CAUSAL=causal, INTERP=INTERPRET, BLOCK_D=padded_head_dim(d))
     kv_grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
     q_grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731

@@ -20,14 +20,15 @@ every logit once more at its own magnitude (ulp 1.2e-4 at |t| ~ 1.4e3), which co
 and m and l stay apart across ring steps, so the merge never rounds an lse either.
 
 Masking is by *global token position*: key j is visible to query i iff
-``kpos[j] < kv_limit`` and, when causal, ``kpos[j] <= qpos[i]``. This one rule gives
-every layout's pattern (zig-zag halves, striped diagonal in/excluded, padding at the
-end).
+``kpos[j] < kv_limit``, ``qpos[i] - kpos[j] < window`` and, when causal,
+``kpos[j] <= qpos[i]``. This one rule gives every layout's pattern (zig-zag halves,
+striped diagonal in/excluded, padding at the end) and sliding windows. A tile whose
+every pair is masked (``min kpos > max qpos``, ``min qpos - max kpos >= window`` or
+``min kpos >= kv_limit``) is skipped before any Q/K/V data is loaded for it.
 
 Precision: Q·Kᵀ and P·V take their operands in the input dtype (tensor cores) and
 accumulate in fp32; P is rounded to the input dtype for P·V, as in every flash
-kernel (measured: the bf16 output error then equals PyTorch's CPU flash kernel's). A tile whose every pair is masked (``min kpos > max qpos`` or
-``min kpos >= kv_limit``) is skipped before any Q/K/V data is loaded for it.
+kernel (measured: the bf16 output error then equals PyTorch's CPU flash kernel's).
 
 Shapes: Q (B, H, S_q, D); K, V (B, H_kv, S_k, D), query head h reads K/V head
 h // GROUP with GROUP = H / H_kv (no K/V copy); ACC (B, H, S_q, D) fp32 contiguous;
@@ -79,12 +80,31 @@ def cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
-    """The online-softmax update of (acc (BLOCK_M, BLOCK_D), m, l (BLOCK_M,)) by one key tile."""
-    t = dot(q, tl.trans(k), INTERP) * scale  # (BLOCK_M, BLOCK_N) fp32 logits
-    visible = (k_pos < kv_limit)[None, :]
+def visible_pairs(q_pos, k_pos, kv_limit, window, CAUSAL: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool: key visible to query by global positions (module docstring)."""
+    visible = (k_pos < kv_limit)[None, :] & ((q_pos[:, None] - k_pos[None, :]) < window)
     if CAUSAL:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    return visible
+
+
+@triton.jit
+def tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL: tl.constexpr):
+    """Whether a (query tile, key tile) pair may hold a visible pair, from position bounds only."""
+    k_min = tl.min(k_pos, axis=0)  # out-of-range keys hold INT32_MAX
+    k_max = tl.max(tl.where(n_ok, k_pos, -1), axis=0)
+    live = (k_min < kv_limit) & (q_min - k_max < window)
+    if CAUSAL:
+        live = live & (k_min <= q_max)
+    return live
+
+
+@triton.jit
+def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, scale,
+               CAUSAL: tl.constexpr, INTERP: tl.constexpr):
+    """The online-softmax update of (acc (BLOCK_M, BLOCK_D), m, l (BLOCK_M,)) by one key tile."""
+    t = dot(q, tl.trans(k), INTERP) * scale  # (BLOCK_M, BLOCK_N) fp32 logits
+    visible = visible_pairs(q_pos, k_pos, kv_limit, window, CAUSAL)
     t = tl.where(visible, t, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(t, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows still keyless: no -inf - -inf
@@ -100,7 +120,7 @@ def _fwd_step(
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
-    H, S_q, S_k, D, kv_limit, scale,
+    H, S_q, S_k, D, kv_limit, window, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -115,6 +135,7 @@ def _fwd_step(
     d_ok = offs_d < D
     q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)  # (BLOCK_M,)
     q_max = tl.max(q_pos, axis=0)
+    q_min = tl.min(tl.where(m_ok, q_pos, 2147483647), axis=0)
 
     row = pid_bh * S_q + offs_m  # row index into the contiguous (B*H*S_q) state
     m_i = tl.load(M + row, mask=m_ok, other=float("-inf"))  # (BLOCK_M,) running max
@@ -132,15 +153,11 @@ def _fwd_step(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < S_k
         k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)  # (BLOCK_N,)
-        k_min = tl.min(k_pos, axis=0)
-        live = k_min < kv_limit
-        if CAUSAL:
-            live = live & (k_min <= q_max)
-        if live:
+        if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, scale, CAUSAL, INTERP)
+            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, scale, CAUSAL, INTERP)
             if COUNT:
                 tl.atomic_add(COUNTER, 1)
 
@@ -189,6 +206,7 @@ def forward_step(
     causal: bool,
     scale: float,
     kv_limit: int = NO_LIMIT,
+    window: int = NO_LIMIT,
     counter: Optional[Tensor] = None,
     tiles: Optional[Tiles] = None,
 ) -> None:
@@ -204,7 +222,7 @@ def forward_step(
     args = (
         q, k, v, acc, m, l, q_pos, k_pos, counter if counter is not None else q_pos,
         *q.stride(), *k.stride(), *v.stride(),
-        h, s_q, s_k, d, kv_limit, scale,
+        h, s_q, s_k, d, kv_limit, window, scale,
     )
     consts = dict(GROUP=h // k.shape[1], CAUSAL=causal, COUNT=counter is not None, INTERP=INTERPRET,
                   BLOCK_D=padded_head_dim(d))
