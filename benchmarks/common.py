@@ -150,7 +150,8 @@ def machine() -> Dict[str, Any]:
     except (OSError, StopIteration):
         mem_gib = float("nan")
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_gib, 1), "torch": torch.__version__,
-            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "load_avg_1min": round(os.getloadavg()[0], 1)}  # other work on the machine when the record was written
 
 
 def command() -> str:

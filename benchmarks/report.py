@@ -79,15 +79,18 @@ def check_balance(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
 
 def check_overlap(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
     out = []
+    load = r["machine"].get("load_avg_1min")
     for s in r["schedule"]:
         worst = max(s["fwd_ratio"], s["bwd_ratio"])
+        excess = [(d, s[f"{d}_s"] * (1 - 1 / s[f"{d}_ratio"])) for d in ("fwd", "bwd") if s[f"{d}_ratio"] > 1.10]
+        why = "; ".join(f"{d} wall exceeds the ideal schedule by {e:.3f} s = {e / s['hop_s']:.1f} hop times"
+                        for d, e in excess) + (f" (machine load average {load})" if load is not None else "")
         out.append((f"3. overlap N={s['world']} (stand-in kernel)", "wall / ideal ≤ 1.10",
                     f"fwd {_f(s['fwd_ratio'], 3)}, bwd {_f(s['bwd_ratio'], 3)}", worst <= 1.10,
-                    "" if worst <= 1.10 else "transfers not fully hidden (see the overlap section)"))
+                    "" if worst <= 1.10 else why))
     for x in r["real"]:
         out.append((f"3. overlap N={x['world']} (real CPU kernel)", "reported, no target",
-                    f"wall / ideal {_f(x['ratio_ideal'])}, wall / serial {_f(x['ratio_serial'])}", None,
-                    "2 ranks on 2 cores: gloo's copies need the cores the kernel uses"))
+                    f"wall / ideal {_f(x['ratio_ideal'])}, wall / serial {_f(x['ratio_serial'])}", None, ""))
     return out
 
 
@@ -138,8 +141,9 @@ def check_compile(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
     out = []
     for x in r["rows"]:
         ok = x["ratio_wall"] <= 1.3
-        why = "" if ok else (f"CPU-seconds ratio {_f(x['ratio_cpu'])}×; ring_cp's 2 ranks compile at once on the "
-                             "2 shared cores")
+        why = "" if ok else (f"CPU-seconds ratio {_f(x['ratio_cpu'])}× (wall includes 2 ranks compiling at once on "
+                             "2 shared cores); ring_cp's rewrite passes run on every compile, before Inductor's "
+                             "cache lookup, so a warm cache does not skip them")
         out.append((f"7. compile ({x['cache']} cache)", "ring_cp / inductor ≤ 1.3",
                     f"{_f(x['ratio_wall'])}× wall ({_f(x['ring_cp_compile_s'], 1)} s vs "
                     f"{_f(x['inductor_compile_s'], 1)} s)", ok, why))
@@ -154,7 +158,7 @@ CHECKS: Dict[str, Callable[[Rec], list]] = {
 
 def _machine_line(m: Dict[str, Any]) -> str:
     return (f"{m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, torch {m['torch']}, Python {m['python']}, "
-            f"{m['date']}")
+            f"{m['date']}" + (f", load average {m['load_avg_1min']} at the end" if "load_avg_1min" in m else ""))
 
 
 def render(run: Optional[Rec] = None) -> str:
@@ -170,11 +174,22 @@ def render(run: Optional[Rec] = None) -> str:
              "so times are noisy: ratios are medians over repeats unless stated.", ""]
     if run:
         parts += [f"- command: `{run['command']}`", f"- total wall time: {run['wall_seconds'] / 60:.1f} min",
-                  f"- machine: {_machine_line(run['machine'])}", ""]
+                  f"- machine: {_machine_line(run['machine'])}"]
+        later = [n for n, r in recs.items() if n != "run_all" and r["machine"]["date"] > run["machine"]["date"]]
+        if later:
+            parts.append(f"- re-run after that full run (each section gives its own command, date and load): "
+                         f"{', '.join(later)}")
+        parts.append("")
     head = []
     for name, check in CHECKS.items():
         if name in recs:
             head += [[what, target, meas, _verdict(ok), why] for what, target, meas, ok, why in check(recs[name])]
+    if run and not run.get("quick"):
+        ok = run["wall_seconds"] <= 20 * 60
+        walls = ", ".join(f"{n} {recs[n]['wall_seconds']:.0f} s" for n in run["ran"] if n in recs)
+        head.append(["run_all.py at defaults", "≤ 20 min on 2 cores", f"{run['wall_seconds'] / 60:.1f} min",
+                     _verdict(ok), "" if ok else f"per benchmark (latest records): {walls}; the cores were shared "
+                     "with other jobs during the run"])
     parts += ["## Targets", "", _table(["benchmark", "target", "measured", "verdict", "measured reason (misses)"], head), ""]
     for name, title, fn in report_sections.SECTIONS:
         if name not in recs:

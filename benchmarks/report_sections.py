@@ -155,9 +155,9 @@ def plot_error(r: Rec) -> None:
     series: Dict[Any, List] = {}
     for x in r["rows"]:
         for k in ("out", "dq"):
-            series.setdefault((x["kernel"], x["dtype"], k), []).append((x["world"], x[k]))
-    for (kern, dt, k), pts in sorted(series.items()):
-        ax.plot(*zip(*sorted(pts)), marker="o", linestyle="-" if k == "out" else "--", label=f"{kern} {dt} {k}")
+            series.setdefault((x["kernel"], x["dtype"], x["seq_len"], k), []).append((x["world"], x[k]))
+    for (kern, dt, s, k), pts in sorted(series.items()):
+        ax.plot(*zip(*sorted(pts)), marker="o", linestyle="-" if k == "out" else "--", label=f"{kern} {dt} {k}, S={s}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ring size N (N=1: the single-device kernel)")
