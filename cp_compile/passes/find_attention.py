@@ -33,6 +33,14 @@ def sdpa_arg(node: fx.Node, index: int, name: str, default=None):
 def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
     where = source_line(node)
     dropout = sdpa_arg(node, 4, "dropout_p", 0.0)
+    if isinstance(dropout, fx.Node):  # dynamic=True with specialize_float=False: a float attribute is an input
+        raise CPRewriteError(
+            f"cp_compile: scaled_dot_product_attention at {where} takes dropout_p as a graph input "
+            f"({dropout.name}): under dynamic shapes Dynamo traces float attributes such as a config's "
+            "attention_dropout symbolically, so its value (even 0.0) is unknown here. Fix: "
+            "torch._dynamo.config.specialize_float = True before compiling, or set attention dropout to 0 "
+            "as a literal (e.g. model.eval())."
+        )
     if not isinstance(dropout, (int, float)) or dropout != 0.0:
         raise CPRewriteError(
             f"cp_compile: scaled_dot_product_attention with dropout_p={dropout} at {where} is not supported. "

@@ -139,12 +139,14 @@ def view(em: Emitter, node: fx.Node):
     if out is None:
         return em.fallback(node, "view that splits the sequence dim")
     args = list(em.value(node.args))
+    if len(node.args) == 2 and isinstance(node.args[1], fx.Node) and node.args[1].target is torch.Size:
+        args[1] = tuple(em.value(node.args[1].args[0]))  # x.view(torch.Size([s0, s1, 192])) (dynamic shapes)
     sizes = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
     if sizes:  # a shape baked in for the full sequence: make exactly the sequence dim local
         sizes = list(sizes)
         if sizes[out.dim] != -1:
             sizes[out.dim] = em.index.local_size(sizes[out.dim])
-        args = [args[0], tuple(sizes)] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) \
+        args = [args[0], tuple(sizes)] if len(node.args) == 2 and isinstance(args[1], (list, tuple)) \
             else [args[0], *sizes]
     kwargs = dict(em.value(node.kwargs))
     if "shape" in kwargs and kwargs["shape"][out.dim] != -1:
@@ -215,8 +217,10 @@ def concat(em: Emitter, node: fx.Node):
     """
     tensors = [t for t in node.args[0] if not _is_empty(t)] if node.target is not torch.stack else list(node.args[0])
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if len(tensors) == 1 and _sharded(em, tensors[0]):
-        return em.env[tensors[0]], _sharded(em, tensors[0])
+    if len(tensors) == 1 and _sharded(em, tensors[0]):  # cat promotes dtypes over the empties too
+        out, dtype = em.env[tensors[0]], node.meta["example_value"].dtype
+        same = tensors[0].meta["example_value"].dtype == dtype
+        return (out if same else em.method("to", out, dtype)), _sharded(em, tensors[0])
     lays = {(s.dim, s.inner) for t in tensors if (s := _sharded(em, t))}
     nd = _ndim(tensors[0])
     seq_dim, inner = lays.pop() if len(lays) == 1 else (None, 1)
