@@ -1,6 +1,8 @@
 """FX graph passes of the ``ring_cp`` backend, run in this order by ``backend.RingCP``:
 
-1. :mod:`.find_attention` — the attention nodes and the sequence length S;
+1. :mod:`.find_attention` — the attention nodes and the sequence length S; a mask built
+   in the graph is recognised as causal, full or a sliding window (:mod:`.masks`,
+   :mod:`.mask_index`) or refused;
 2. :mod:`.seq_inputs` — which graph inputs carry the sequence, and along which dim;
 3. :mod:`.rewrite` — sequence-layout propagation (rules in :mod:`.rules` and
    :mod:`.rules_attention`, indices in :mod:`.seqindex`) emitting the per-rank graph;
