@@ -177,28 +177,18 @@ def test_ring_padding_matches_aten(ranks, causal):
 
 # --------------------------------------------------------------------------- large logits
 
-def _large_logits_triton(cases: list[dict]) -> list[tuple]:
-    from test_ring_numerics import large_logit_inputs
-
-    out = []
-    for case in cases:
-        q, k, v, dout, scale = large_logit_inputs(case["kind"], case["seed"])
-        out.append(_ring_fwd_bwd(q, k, v, dout, case, "p2p", torch.float32, scale=scale))
-    return out
-
-
 def test_large_logits_merge_without_lse_rounding(ranks):
     """fp32 logits ~1e3 on 2 ranks. The aten path merges per-step (out, lse) with lse
     rounded to fp32 (ulp 6e-5 at 1e3), which costs it 2-3e-5 on the output
     (test_ring_numerics.py). The Triton state keeps the running max and the sum apart
     across steps, so the output is as accurate as single-process fp32 SDPA's."""
-    from test_ring_numerics import large_logit_inputs
     from test_ring_exact import sdpa_fwd_bwd
+    from test_ring_numerics import _large_logits_rank_fn, large_logit_inputs
 
     cases = [dict(kind=kind, lb=lb, causal=causal, kernel="triton", seed=300 + i)
              for i, (kind, lb, causal) in enumerate((("shifted", "zigzag", True), ("shifted", "striped", False),
                                                      ("saturated", "zigzag", True)))]
-    per_rank = ranks.run(2, _large_logits_triton, cases, timeout=300)
+    per_rank = ranks.run(2, _large_logits_rank_fn, cases, timeout=300)
     report, failures = [], []
     for i, case in enumerate(cases):
         q, k, v, dout, scale = large_logit_inputs(case["kind"], case["seed"])

@@ -33,7 +33,7 @@ NO_LIMIT = 2**31 - 1  # no padding: every key position is below this
 def _step_runs(load_balance: str, causal: bool, group: CPGroup, src: int, c: int, valid_len: int,
                pos: BlockPositions, window: int) -> bool:
     """Whether any (query, key) pair of the step against block ``src`` is visible."""
-    valid = None if valid_len < 0 else int((pos.cpu(src) < valid_len).sum())
+    valid = pos.valid_keys(src, valid_len)
     if not step_segments(load_balance, causal, group.size, group.rank, src, c, valid):
         return False
     return window <= 0 or any_visible(pos.cpu(group.rank), pos.cpu(src), window)

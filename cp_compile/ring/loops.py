@@ -43,7 +43,7 @@ def _calls(spec: MaskSpec, load_balance: str, causal: bool, group: CPGroup, src:
     The plan's rectangles (``valid_len`` >= 0: global positions from there on are
     padding, never attended), refined by a window or explicit mask (:mod:`.masking`).
     """
-    valid = None if valid_len < 0 else int((pos.cpu(src) < valid_len).sum())
+    valid = pos.valid_keys(src, valid_len)
     for seg in step_segments(load_balance, causal, group.size, group.rank, src, c, valid):
         call = segment_call(spec, seg, pos(group.rank), pos(src)) if spec.active else (seg.causal, None)
         if call is not None:

@@ -47,6 +47,10 @@ class BlockPositions:
             self._cpu[rank] = rank_positions(self.c * self.group.size, self.group.size, rank, self.load_balance)
         return self._cpu[rank]  # (c,) int64
 
+    def valid_keys(self, rank: int, valid_len: int) -> "int | None":
+        """How many of ``rank``'s keys lie before ``valid_len`` (None: no padding, ``valid_len`` < 0)."""
+        return None if valid_len < 0 else int((self.cpu(rank) < valid_len).sum())
+
     def __call__(self, rank: int) -> Tensor:
         if rank not in self._dev:
             self._dev[rank] = self.cpu(rank).to(device=self.device, dtype=torch.int32)

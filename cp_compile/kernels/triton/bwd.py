@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .configs import BWD_KV_CONFIGS, BWD_Q_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
-from .fwd import NO_LIMIT, cast, dot, tile_live, visible_pairs
+from .fwd import NO_LIMIT, cast, dot, key_rows, query_rows, tile_live, visible_pairs
 
 Tensor = torch.Tensor
 
@@ -63,12 +63,10 @@ def _bwd_dkdv(
     h_kv = H // GROUP
     b = pid_bk // h_kv
     hk = pid_bk % h_kv
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, n_ok, k_pos = key_rows(KPOS, pid_n * BLOCK_N, S_k, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < S_k
     d_ok = offs_d < D
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)  # (BLOCK_N,)
     k_min = tl.min(k_pos, axis=0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -78,11 +76,8 @@ def _bwd_dkdv(
         for g in range(GROUP):
             h = hk * GROUP + g
             for start_m in range(0, S_q, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < S_q
-                q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)  # (BLOCK_M,)
-                q_min = tl.min(tl.where(m_ok, q_pos, 2147483647), axis=0)
-                if tile_live(q_min, tl.max(q_pos, axis=0), k_pos, n_ok, kv_limit, window, CAUSAL):
+                offs_m, m_ok, q_pos, q_min, q_max = query_rows(QPOS, start_m, S_q, BLOCK_M)
+                if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
                     qd_mask = m_ok[:, None] & d_ok[None, :]
                     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
                     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
@@ -115,14 +110,10 @@ def _bwd_dq(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m, m_ok, q_pos, q_min, q_max = query_rows(QPOS, pid_m * BLOCK_M, S_q, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < S_q
     d_ok = offs_d < D
     qd_mask = m_ok[:, None] & d_ok[None, :]
-    q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)
-    q_max = tl.max(q_pos, axis=0)
-    q_min = tl.min(tl.where(m_ok, q_pos, 2147483647), axis=0)
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
     row = pid_bh * S_q + offs_m
@@ -130,9 +121,7 @@ def _bwd_dq(
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, S_k, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S_k
-        k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)
+        offs_n, n_ok, k_pos = key_rows(KPOS, start_n, S_k, BLOCK_N)
         if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)

@@ -89,6 +89,26 @@ def visible_pairs(q_pos, k_pos, kv_limit, window, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def query_rows(QPOS, start, S_q, BLOCK_M: tl.constexpr):
+    """Rows start..start+BLOCK_M of the query block: (offs, in-range mask, positions (-1
+    out of range), min and max position over the in-range rows)."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < S_q
+    q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)  # (BLOCK_M,)
+    q_min = tl.min(tl.where(m_ok, q_pos, 2147483647), axis=0)
+    return offs_m, m_ok, q_pos, q_min, tl.max(q_pos, axis=0)
+
+
+@triton.jit
+def key_rows(KPOS, start, S_k, BLOCK_N: tl.constexpr):
+    """Rows start..start+BLOCK_N of the key block: (offs, in-range mask, positions (INT32_MAX
+    out of range, so never visible))."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < S_k
+    return offs_n, n_ok, tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)  # (BLOCK_N,)
+
+
+@triton.jit
 def tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL: tl.constexpr):
     """Whether a (query tile, key tile) pair may hold a visible pair, from position bounds only."""
     k_min = tl.min(k_pos, axis=0)  # out-of-range keys hold INT32_MAX
@@ -129,13 +149,9 @@ def _fwd_step(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m, m_ok, q_pos, q_min, q_max = query_rows(QPOS, pid_m * BLOCK_M, S_q, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < S_q
     d_ok = offs_d < D
-    q_pos = tl.load(QPOS + offs_m, mask=m_ok, other=-1)  # (BLOCK_M,)
-    q_max = tl.max(q_pos, axis=0)
-    q_min = tl.min(tl.where(m_ok, q_pos, 2147483647), axis=0)
 
     row = pid_bh * S_q + offs_m  # row index into the contiguous (B*H*S_q) state
     m_i = tl.load(M + row, mask=m_ok, other=float("-inf"))  # (BLOCK_M,) running max
@@ -150,9 +166,7 @@ def _fwd_step(
     v_base = V + b * s_vb + hk * s_vh
 
     for start_n in range(0, S_k, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S_k
-        k_pos = tl.load(KPOS + offs_n, mask=n_ok, other=2147483647)  # (BLOCK_N,)
+        offs_n, n_ok, k_pos = key_rows(KPOS, start_n, S_k, BLOCK_N)
         if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
