@@ -29,7 +29,9 @@ def format_explain(r: Report, target: str = "") -> str:
                  + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))
     lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
     w = max(len(n) for n, _ in r.attention)
-    lines += [f"  {n:<{w}}  {short_source(s)}" for n, s in r.attention]
+    masks = {node.name: kind.describe() for node, kind in ctx.masks.items()}
+    lines += [f"  {n:<{w}}  {short_source(s)}" + (f"\n  {'':<{w}}  mask: {masks[n]}" if n in masks else "")
+              for n, s in r.attention]
     lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or
                                        "none (every input stays whole; values are indexed by position)"))
     if r.fallbacks:

@@ -48,8 +48,9 @@ def band(s: int, window: int) -> torch.Tensor:
 def _rank_ring(q, k, v, dout, lb, kernel, kw, mask_full=None):
     ql, kl, vl, dl = (cp_compile.shard(t, 2, load_balance=lb).float() for t in (q, k, v, dout))
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-    if mask_full is not None:
-        kw = dict(kw, attn_mask=cp_compile.shard(mask_full, -2, load_balance=lb))
+    if mask_full is not None:  # this rank's query rows; a mask the same for every query goes whole
+        rows = mask_full if mask_full.shape[-2] == 1 else cp_compile.shard(mask_full, -2, load_balance=lb)
+        kw = dict(kw, attn_mask=rows)
     out = cp_compile.ring_attention(ql, kl, vl, load_balance=lb, kernel=kernel, **kw)
     out.backward(dl)
     return out.detach(), ql.grad, kl.grad, vl.grad
@@ -123,9 +124,9 @@ def _mask_cases():
     rand |= torch.eye(s, dtype=torch.bool)  # every row sees at least its own key
     keypad = torch.ones(2, 1, 1, s, dtype=torch.bool)
     keypad[1, ..., 20:] = False  # batch 1: last 12 keys are padding
-    keypad = keypad.expand(2, 1, s, s)
     hf = torch.zeros(2, 1, s, s).masked_fill(~rand, torch.finfo(torch.float32).min)  # additive, HF style
-    return [("random-bool", rand, "zigzag", "aten"), ("key-padding", keypad, "striped", "reference"),
+    return [("random-bool", rand, "zigzag", "aten"), ("key-padding", keypad.expand(2, 1, s, s), "striped", "reference"),
+            ("key-padding-one-row", keypad, "zigzag", "aten"),  # (B, 1, 1, S): broadcast over the rows
             ("additive-finfo-min", hf, "zigzag", "reference"), ("additive-bool-per-head", rand.expand(2, 4, s, s), "contiguous", "aten")]
 
 
@@ -170,3 +171,47 @@ def test_mask_misuse_names_the_fix(ranks):
         assert all(m is not None and "Fix" in m for m in msgs), msgs
         assert "causal=True" in msgs[0] and "pick one" in msgs[2] and "shard(mask, dim=-2)" in msgs[3]
         assert "Triton" in msgs[4]
+
+
+def _causal_padding(s: int):
+    """(B, 1, 1, S) key padding: batch 0 left-padded by 5 (its first 5 queries see no key at
+    all), batch 1 right-padded by 7; and the dead (B, 1, S) query rows of causal & padding."""
+    keep = torch.ones(2, 1, 1, s, dtype=torch.bool)
+    keep[0, ..., :5] = False
+    keep[1, ..., s - 7:] = False
+    dead = ~(torch.tril(torch.ones(s, s, dtype=torch.bool)) & keep).any(-1)  # (B, 1, S)
+    return keep, dead
+
+
+def _rank_causal_padding(lb: str, s: int):
+    """The ring op as the ring_cp backend calls it for Hugging Face's causal & padding mask:
+    causal=True and attn_mask = the (B, 1, 1, S) key padding."""
+    from cp_compile.ring.masking import additive_mask
+
+    keep, dead = _causal_padding(s)
+    q, k, v, dout = _inputs(2, 4, 2, s, 16, 90)
+    dout = dout.masked_fill(dead[..., None], 0.0)  # dead rows carry no gradient (their output is 0)
+    ql, kl, vl, dl = (cp_compile.shard(t, 2, load_balance=lb).float() for t in (q, k, v, dout))
+    ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
+    group = torch.distributed.group.WORLD.group_name
+    out, _ = torch.ops.cp_compile.ring_attention_fwd(ql, kl, vl, True, 0.25, group, lb, "p2p", "aten",
+                                                      attn_mask=additive_mask(keep))
+    out.backward(dl)
+    return out.detach(), ql.grad, kl.grad, vl.grad
+
+
+@pytest.mark.parametrize("world,lb", [(2, "zigzag"), (4, "zigzag"), (4, "striped"), (2, "contiguous")])
+def test_causal_with_key_padding_matches_sdpa(ranks, world, lb):
+    """Causal folded into the key-padding mask per rectangle: rows whose every causally visible
+    key is padding come out 0 (SDPA: NaN), and the rest equal SDPA with the combined mask."""
+    s = 8 * world
+    keep, dead = _causal_padding(s)
+    q, k, v, dout = _inputs(2, 4, 2, s, 16, 90)
+    dout = dout.masked_fill(dead[..., None], 0.0)
+    live = torch.tril(torch.ones(s, s, dtype=torch.bool)) & keep
+    ref = _sdpa64(q, k, v, dout, live | dead[..., None])  # dead rows: any finite stand-in, dout 0 there
+    ref = (ref[0].masked_fill(dead[..., None], 0.0),) + ref[1:]
+    per_rank = ranks.run(world, _rank_causal_padding, lb, s, timeout=120)
+    for j, name in enumerate(("out", "dq", "dk", "dv")):
+        got = assemble([r[j] for r in per_rank], s, lb)
+        assert torch.isfinite(got).all() and relerr(got, ref[j]) <= FP32, (name, relerr(got, ref[j]))

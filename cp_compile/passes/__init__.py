@@ -1,8 +1,9 @@
 """FX graph passes of the ``ring_cp`` backend, run in this order by ``backend.RingCP``:
 
-1. :mod:`.find_attention` — the attention nodes and the sequence length S; a mask built
-   in the graph is recognised as causal, full or a sliding window (:mod:`.masks`,
-   :mod:`.mask_index`) or refused;
+1. :mod:`.find_attention` — the attention nodes and the sequence length S; a mask is
+   split into what the ring op does by position (causal, full, a sliding window) and
+   explicit terms (:mod:`.masks`, :mod:`.mask_index`), whose rows the attention rule
+   builds per rank (:mod:`.mask_rows`);
 2. :mod:`.seq_inputs` — which graph inputs carry the sequence, and along which dim;
 3. :mod:`.rewrite` — sequence-layout propagation (rules in :mod:`.rules` and
    :mod:`.rules_attention`, indices in :mod:`.seqindex`) emitting the per-rank graph;

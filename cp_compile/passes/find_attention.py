@@ -2,9 +2,9 @@
 
 Before: a Dynamo graph. After: the same graph; ``ctx.attention`` lists the SDPA
 nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D));
-``ctx.masks`` says, for each attention given a mask built in the graph, whether that
-mask is causal, full or a causal sliding window (:mod:`.masks`; any other mask is
-refused here).
+``ctx.masks`` says, for each attention given a mask, what the ring op makes of it:
+causal, full or a causal sliding window, and the terms it must apply as an explicit
+mask (:mod:`.masks`).
 """
 
 from __future__ import annotations
@@ -64,23 +64,24 @@ def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
 
 
 def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
-    """An attn_mask built in the graph must be causal or full (masks.py); record which."""
+    """Record what the attn_mask of ``node`` means for the ring op (masks.py)."""
     mask = sdpa_arg(node, 3, "attn_mask")
     if mask is None:
         return
     if not isinstance(mask, fx.Node) or sdpa_arg(node, 5, "is_causal", False):
         raise CPRewriteError(
-            f"cp_compile: scaled_dot_product_attention at {source_line(node)} takes an attn_mask that is not "
-            "built in the graph (or together with is_causal=True). Fix: use is_causal=True and no attn_mask."
+            f"cp_compile: scaled_dot_product_attention at {source_line(node)} takes an attn_mask together with "
+            "is_causal=True (or a mask that is not a tensor). Fix: fold causality into the mask, or pass "
+            "is_causal=True and no attn_mask."
         )
-    ctx.masks[node] = classify_mask(mask, node, seq_len, windows=ring_takes_window())
-
-
-def ring_takes_window() -> bool:
-    """Whether the ring op has a ``window`` argument (sliding-window attention); importing the
-    package (cp_compile/__init__.py) registered the op."""
-    schema = torch.ops.cp_compile.ring_attention_fwd.default._schema
-    return any(a.name == "window" for a in schema.arguments)
+    val = mask.meta.get("example_value")
+    if isinstance(val, torch.Tensor) and val.requires_grad:
+        raise CPRewriteError(
+            f"cp_compile: the attn_mask of scaled_dot_product_attention at {source_line(node)} requires grad "
+            "(a learned attention bias); the ring op treats masks as constants and would drop its gradient. "
+            "Fix: detach the bias if it is not trained, or run this model without context parallelism."
+        )
+    ctx.masks[node] = classify_mask(mask, node, seq_len)
 
 
 def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:

@@ -1,4 +1,4 @@
-"""Recognise an attention mask built in the graph as causal or full, structurally.
+"""Split an attention mask built in the graph into what the ring op does by position and the rest.
 
 Hugging Face's sdpa path (``masking_utils.sdpa_mask``) builds boolean masks from index
 comparisons rather than passing ``is_causal=True`` whenever it cannot prove the mask
@@ -7,6 +7,7 @@ away (a sliding window, an ``attention_mask`` argument, ``torch.compile`` tracin
     q = arange(S)[None, None, :, None] + q_offset          # (1, 1, S, 1)
     kv = arange(S)[None, None, None, :] + kv_offset        # (1, 1, 1, S)
     mask = ones(()) & (kv > q - W) & (kv <= q)             # (1, 1, S, S) bool
+    mask = mask & attention_mask[b, kv]                    # (B, 1, S, S): key padding
     sdpa(q_states, k_states, v_states, attn_mask=mask.expand(B, -1, S, S))
 
 Without a KV cache HF also checks for packed sequences: ``ids = cumsum(diff(position_ids,
@@ -14,27 +15,29 @@ prepend=position_ids[:, :1] - 1) != 1)`` and ``mask &= ids[b, q] == ids[b, kv]``
 reads positions as ``position_ids[b, q]``; with ``position_ids = arange(S)`` those are
 the constant 0 and q again (:mod:`.mask_index` follows them).
 
-Materialising that mask is O(S²) and splitting it by rank is not what ring attention
-does. Instead the mask's expression is evaluated on abstract values, never on data:
-integer tensors affine in the query and key positions (:class:`Affine`) and
-conjunctions of bounds on ``d = kv - q`` (:class:`Band`). A mask that reduces to
-``d <= 0`` over the whole sequence is causal, one with no bound is full attention;
-both become the ring op's ``causal`` flag and the mask is dropped. ``-W < d <= 0`` is
-a sliding window of W keys, passed as the ring op's ``window`` when the op takes one. Anything else (a
-sliding window shorter than S, a padding mask read from ``attention_mask``, chunked
-attention) is refused with an error naming the op, the source line and the fix.
+The mask's conjunction (``&`` through ``expand``/``to``) is split into its terms. Each
+term is evaluated on abstract values, never on data: integer tensors affine in the
+query and key positions (:class:`Affine`) and bounds on ``d = kv - q`` (:class:`Band`).
+The recognised terms intersect to one band: ``d <= 0`` over the whole sequence is
+causal, no bound is full attention, ``-W < d <= 0`` a sliding window of W keys; these
+become the ring op's ``causal`` flag and ``window``, with no S x S tensor. Every other
+term (a key-padding mask read from ``attention_mask``, a mask passed in as an input, a
+float mask, chunked attention, ...) is kept as an *explicit* mask: the rewrite computes
+only this rank's query rows of it (:mod:`.mask_rows`) and hands them to the ring op.
+A band that is none of the three (a bidirectional window, say) makes the whole mask
+explicit. So every mask is exact; only the explicit part costs memory.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
 
-from .context import CPRewriteError, source_line
+from .context import global_shape, log, source_line
 from .mask_index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
@@ -53,62 +56,69 @@ Abstract = Union[Affine, Band, Flag, int, float, bool]
 
 @dataclass(frozen=True)
 class MaskKind:
-    """What a recognised mask means for the ring op: ``causal``, and ``window`` W > 0 when each
-    query also sees only its W most recent keys (``0 <= q - kv < W``), else -1."""
+    """What a mask means for the ring op: ``causal``; ``window`` W > 0 when each query also
+    sees only its W most recent keys (``0 <= q - kv < W``), else -1; ``explicit``: the mask
+    terms (old graph nodes, ANDed) the ring op must also apply as a tensor, or ()."""
 
     causal: bool
     window: int = -1
+    explicit: Tuple[fx.Node, ...] = ()
+
+    def describe(self) -> str:
+        """One line for ``cp-compile explain``: what the ring op does with the mask, and what it costs."""
+        what = ("causal" if self.causal else "full") + (f", window {self.window}" if self.window > 0 else "")
+        if not self.explicit:
+            return f"{what} by position (no mask tensor)"
+        shape = tuple(torch.broadcast_shapes(*(global_shape(t) for t in self.explicit)))
+        rows = "this rank's query rows of it: O(S^2 / N)" if len(shape) >= 2 and shape[-2] != 1 \
+            else "the same for every query: O(B·S)"
+        return f"{what} by position, and an explicit {shape} mask ({', '.join(t.name for t in self.explicit)}; {rows})"
 
 
-def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int, windows: bool) -> MaskKind:
-    """The meaning of the graph-built ``mask`` of ``sdpa``: causal, full, or (``windows``: the ring
-    op takes a window) a causal sliding window.
+def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
+    """The meaning of the graph-built ``mask`` of ``sdpa`` (see the module docstring)."""
+    band, rest = _split(mask, {})
+    kind = _band_kind(band, seq_len)
+    if kind is None:  # a band the ring op cannot express: the whole mask is explicit
+        kind, rest = MaskKind(causal=False), [mask]
+    explicit = tuple(dict.fromkeys(rest))  # each term once, in order
+    if explicit:
+        log.info("cp_compile: attention at %s: mask %s = %s%s", source_line(sdpa), mask.name,
+                 "causal" if kind.causal else "full", f" (window {kind.window})" if kind.window > 0 else "")
+    return MaskKind(kind.causal, kind.window, explicit)
 
-    Raises CPRewriteError for any other mask (names the op, its source line and the fix).
-    """
-    band = _band(mask, sdpa)
+
+def _band_kind(band: Band, seq_len: int) -> Optional[MaskKind]:
+    """Causal, full or a causal sliding window; None for any other band."""
     full_lo = band.lo is None or band.lo <= -(seq_len - 1)
     if full_lo and (band.hi is None or band.hi >= seq_len - 1):
         return MaskKind(causal=False)
     if band.hi == 0:
         if full_lo:
             return MaskKind(causal=True)
-        if windows and band.lo <= 0:
+        if band.lo <= 0:
             return MaskKind(causal=True, window=1 - band.lo)
-    window = f"a sliding window of {band.hi - band.lo + 1} keys" if band.lo is not None and band.hi is not None \
-        else f"keys at kv - q in [{band.lo}, {band.hi}]"
-    supported = "causal, full or causal sliding-window" if windows else "causal or full"
-    raise CPRewriteError(
-        f"cp_compile: the attention mask of scaled_dot_product_attention at {source_line(sdpa)} allows {window} "
-        f"per query (sequence length {seq_len}); ring attention supports {supported} attention only. "
-        "Fix: a window of at least the sequence length (e.g. config.sliding_window=None or >= S), "
-        "or run this model without context parallelism."
-    )
+    return None
 
 
-def _band(mask: fx.Node, sdpa: fx.Node) -> Band:
-    """The mask as a band of kv - q, or CPRewriteError naming the op the analysis cannot follow."""
-    memo: Dict[fx.Node, Abstract] = {}
+_TRANSPARENT = ("expand", "to", "contiguous", "bool")  # methods that keep a boolean mask's meaning
+
+
+def _split(node: Any, memo: Dict[fx.Node, Abstract]) -> Tuple[Band, List[fx.Node]]:
+    """(band of the recognised terms, the other terms) of a mask that is a conjunction."""
+    if isinstance(node, fx.Node) and node.target in _AND_TARGETS:
+        (band_a, rest_a), (band_b, rest_b) = (_split(a, memo) for a in node.args[:2])
+        return _intersect(band_a, band_b), rest_a + rest_b
+    if isinstance(node, fx.Node) and node.op == "call_method" and node.target in _TRANSPARENT \
+            and isinstance(node.args[0], fx.Node) and _dtype(node) is _dtype(node.args[0]) is torch.bool:
+        return _split(node.args[0], memo)
     try:
-        band = _eval(mask, memo)
-    except Unrecognised as e:
-        how = e.why if e.node.op == "placeholder" else \
-            f"is built by {_op_name(e.node)} (node {e.node.name}) at {source_line(e.node)}, {e.why}"
-        raise CPRewriteError(
-            f"cp_compile: the attention mask of scaled_dot_product_attention at {source_line(sdpa)} {how}. "
-            "Ring attention takes causal or full attention only. Fix: call the model without the input the "
-            "mask is built from (attention_mask when no token is padding, position_ids when sequences are not "
-            "packed), or pass is_causal=True and no attn_mask."
-        ) from None
-    band = Band() if band == Flag(True) else band
-    if not isinstance(band, Band):
-        raise CPRewriteError(f"cp_compile: the attention mask at {source_line(sdpa)} is not a boolean mask of "
-                             "query and key positions. Fix: pass is_causal=True and no attn_mask.")
-    return band
-
-
-def _op_name(node: fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        value = _eval(node, memo)
+    except Unrecognised:
+        return Band(), [node]
+    if value == Flag(True) or value is True:
+        return Band(), []
+    return (value, []) if isinstance(value, Band) else (Band(), [node])
 
 
 def _eval(arg: Any, memo: Dict[fx.Node, Abstract]) -> Abstract:
@@ -205,6 +215,10 @@ def _and(node: fx.Node, ev) -> Band:
     a, b = (Band() if isinstance(v, Flag) and v.value else v for v in (ev(x) for x in node.args[:2]))
     if not (isinstance(a, Band) and isinstance(b, Band)):
         raise Unrecognised(node, "a logical and of values that are not masks (or that mask every key)")
+    return _intersect(a, b)
+
+
+def _intersect(a: Band, b: Band) -> Band:
     lo = max((v for v in (a.lo, b.lo) if v is not None), default=None)
     hi = min((v for v in (a.hi, b.hi) if v is not None), default=None)
     return Band(lo, hi)
@@ -225,3 +239,4 @@ _HANDLERS = {
     **{("method", m): _compare for m in ("le", "lt", "ge", "gt", "eq", "ne")},
     operator.and_: _and, torch.logical_and: _and, ("method", "__and__"): _and, ("method", "logical_and"): _and,
 }
+_AND_TARGETS = {operator.and_, torch.logical_and, "__and__", "logical_and"}

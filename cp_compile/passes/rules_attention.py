@@ -15,6 +15,7 @@ from .. import graph_ops
 from .context import CPRewriteError, global_shape, source_line
 from .find_attention import SDPA_TARGETS, sdpa_arg
 from .layouts import GLOBAL, Sharded
+from .mask_rows import explicit_mask
 
 
 def _kv_source(em, old: fx.Node):
@@ -66,11 +67,14 @@ def sdpa(em, node: fx.Node):
     q = sdpa_arg(node, 0, "query")
     k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
     v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
-    # A mask built in the graph was recognised as causal, full or a sliding window (masks.py); it
-    # is dropped here and left unused, so rewrite.py erases its O(S^2) construction.
+    # A mask is split into causal / window flags and explicit terms (masks.py); the ring op gets
+    # the flags and this rank's rows of the terms (mask_rows.py), and rewrite.py erases the
+    # mask's O(S^2) construction, now unused.
     kind = em.ctx.masks.get(node)
     causal = kind.causal if kind is not None else bool(sdpa_arg(node, 5, "is_causal", False))
-    window = {"window": kind.window} if kind is not None and kind.window > 0 else {}
+    masks = {"window": kind.window} if kind is not None and kind.window > 0 else {}
+    if kind is not None and kind.explicit:
+        masks["attn_mask"] = explicit_mask(em, kind.explicit, node)
     scale = sdpa_arg(node, 6, "scale")
     if scale is None:
         scale = 1.0 / math.sqrt(global_shape(q)[-1])
@@ -81,7 +85,7 @@ def sdpa(em, node: fx.Node):
     ctx = em.ctx
     out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
                   _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), causal, float(scale),
-                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **window)
+                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **masks)
     return em.call(operator.getitem, out, 0), Sharded(2)
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .context import CPRewriteError, RewriteContext, global_shape, log
-from .find_attention import sdpa_arg
+from .find_attention import is_sdpa, sdpa_arg
 
 
 def _source_name(node: fx.Node) -> str:
@@ -53,12 +53,20 @@ def is_parameter_like(node: fx.Node, example: Optional[torch.Tensor]) -> bool:
 
 
 def _dataflow(gm: fx.GraphModule) -> nx.DiGraph:
+    """Value flow between nodes, except from an attention mask into its attention: a mask
+    input (``attention_mask``) decides what attends to what, it does not carry tokens,
+    even though it reaches the next layer's q/k/v through this layer's output."""
     g = nx.DiGraph()
     for n in gm.graph.nodes:
         g.add_node(n)
         for user in n.users:
-            g.add_edge(n, user)
+            if not (is_sdpa(user) and n is sdpa_arg(user, 3, "attn_mask") and n not in _qkv(user)):
+                g.add_edge(n, user)
     return g
+
+
+def _qkv(node: fx.Node) -> tuple:
+    return tuple(sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
 
 
 def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
@@ -74,7 +82,7 @@ def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[st
         ctx.shard_inputs = {by_user[k].name: dim % len(global_shape(by_user[k])) for k, dim in ctx.seq_inputs.items()}
         return gm
     flow = _dataflow(gm)
-    qkv = {sdpa_arg(a, i, nm) for a in ctx.attention for i, nm in enumerate(("query", "key", "value"))}
+    qkv = {n for a in ctx.attention for n in _qkv(a)}
     feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv)) if qkv else set()
     for n in placeholders:
         shape = global_shape(n)

@@ -91,11 +91,11 @@ def _local_mask(mask: Tensor, q: Tensor, n: int, causal: bool, kernel: str) -> T
     if mask.device != q.device:
         _fail(f"attn_mask is on {mask.device}, q on {q.device}. Fix: move the mask to q's device.")
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
-    ok = m.dim() == 4 and m.shape[0] in (1, b) and m.shape[1] in (1, h) and tuple(m.shape[2:]) == (c, s)
+    ok = m.dim() == 4 and m.shape[0] in (1, b) and m.shape[1] in (1, h) and m.shape[2] in (1, c) and m.shape[3] == s
     if not ok:
         _fail(
             f"attn_mask has shape {tuple(mask.shape)}; expected this rank's query rows over all keys, "
-            f"broadcastable to (B={b}, H={h}, S_local={c}, S={s}). Fix: pass cp_compile.shard(mask, dim=-2) "
+            f"broadcastable to (B={b}, H={h}, S_local={c} or 1, S={s}). Fix: pass cp_compile.shard(mask, dim=-2) "
             "of the full (..., S, S) mask, with the same load_balance."
         )
     if kernel == "triton" or (kernel == "auto" and q.device.type == "cuda"):
@@ -139,7 +139,8 @@ def ring_attention(
         attn_mask: without ``causal``, this rank's query rows of an explicit mask over
             the full sequence: bool (True = attend) or additive float, broadcastable
             to (B, H, S_local, S) with keys in global order, e.g.
-            ``cp_compile.shard(full_mask, dim=-2)``. O(S_local x S) memory per rank:
+            ``cp_compile.shard(full_mask, dim=-2)``; a key-padding mask
+            (B, 1, 1, S) is broadcast over the rows. O(S_local x S) memory per rank:
             prefer ``causal``/``window`` when the mask is one of those.
         timeout: seconds each wait for a peer may take before the op raises
             ``cp_compile.ring.faults.RingCommError`` naming the peer, ring step and

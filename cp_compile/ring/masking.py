@@ -9,9 +9,14 @@ read as this rank's rows x one visiting block's columns.
   does not cut runs as planned; one it removes entirely is skipped (so ring steps
   wholly outside the window cost nothing); one it cuts runs with an additive mask of
   that rectangle's size.
-* ``attn_mask`` (without causal, as in SDPA): this rank's query rows of the user's
-  mask, ``(B|1, H|1, c, S)`` with S the global length in global column order; each
-  step indexes the visiting block's columns by their positions.
+* ``attn_mask``: this rank's query rows of the user's mask, ``(B|1, H|1, c, S)``
+  with S the global length in global column order; each step indexes the visiting
+  block's columns by their positions. A mask that is the same for every query (key
+  padding, ``(B|1, H|1, 1, S)``) is broadcast over the rows. The public ``ring_attention`` takes it without
+  ``causal`` (as SDPA does); the ``ring_cp`` backend passes both when a model's mask is
+  causal (or a window) AND something else, e.g. Hugging Face's causal & key-padding
+  mask: then ``attn_mask`` holds only the padding part, (B, 1, 1, S), and causality
+  keeps its tile skipping and load balance.
 
 Block kernels see an additive float mask (0 or -inf); a row with no visible key in
 a rectangle gets lse = -inf and out = 0 there (the CPU flash op would say lse = 0),
@@ -62,7 +67,7 @@ class MaskSpec:
     """``window`` (> 0, causal only) or ``attn_mask`` (local rows, additive fp32), or neither."""
 
     window: int = -1
-    attn_mask: Optional[Tensor] = None  # (B|1, H|1, c, S) float32, -inf where masked
+    attn_mask: Optional[Tensor] = None  # (B|1, H|1, c|1, S) float32, -inf where masked
 
     @property
     def active(self) -> bool:
@@ -91,22 +96,30 @@ def _window_visible(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
 def segment_call(spec: MaskSpec, seg: Segment, q_pos: Tensor, k_pos: Tensor) -> Optional[Tuple[bool, Optional[Tensor]]]:
     """How to run ``seg`` of a step: None (nothing visible: skip it) or (causal, additive mask or None).
 
-    q_pos: (c,) this rank's global positions; k_pos: (c,) the visiting block's.
+    q_pos: (c,) this rank's global positions; k_pos: (c,) the visiting block's. A window
+    that cuts the rectangle, or an explicit mask, turns it into one additive mask of the
+    rectangle's size; a causal rectangle's causality is folded into that mask by position
+    (``k <= q``), so a row whose causally visible keys are all masked is seen as dead
+    (:func:`fix_dead_rows`) instead of reaching the kernel as a fully masked row.
     """
     qp, kp = q_pos[seg.q], k_pos[seg.k]
-    if spec.window > 0:
-        if int(qp.max() - kp.min()) < spec.window:  # the window cuts nothing here
-            return seg.causal, None
-        vis = _window_visible(qp, kp, spec.window)  # (Lq, Lk)
-        if not bool(vis.any()):
+    causal, visible = seg.causal, None  # visible: (Lq, Lk) bool by position, when a window cuts here
+    if spec.window > 0 and int(qp.max() - kp.min()) >= spec.window:
+        visible, causal = _window_visible(qp, kp, spec.window), False
+        if not bool(visible.any()):
             return None
-        return False, additive_mask(vis)
-    if spec.attn_mask is not None:
-        cols = spec.attn_mask[..., seg.q, :].index_select(-1, kp)  # (B|1, H|1, Lq, Lk)
-        if bool(torch.isneginf(cols).all()):
-            return None
-        return seg.causal, cols
-    return seg.causal, None
+    if spec.attn_mask is None:
+        return causal, None if visible is None else additive_mask(visible)
+    m = spec.attn_mask  # (B|1, H|1, c|1, S)
+    cols = (m if m.shape[-2] == 1 else m[..., seg.q, :]).index_select(-1, kp)
+    cols = cols.expand(*cols.shape[:-2], len(qp), len(kp))  # (B|1, H|1, Lq, Lk)
+    if causal:
+        visible, causal = kp[None, :] <= qp[:, None], False
+    if visible is not None:
+        cols = cols.masked_fill(~visible, float("-inf"))
+    if bool(torch.isneginf(cols).all()):
+        return None
+    return causal, cols
 
 
 def fix_dead_rows(out: Tensor, lse: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:

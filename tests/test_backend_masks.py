@@ -1,0 +1,214 @@
+"""Attention masks through the ring_cp backend: exact against one process, and never S x S whole.
+
+A mask is split (cp_compile/passes/masks.py) into what the ring op does by position
+(causal, full, a causal sliding window) and explicit terms, of which each rank builds
+only its own query rows (passes/mask_rows.py). Each case compiles a model unchanged and
+compares, on 2 gloo ranks, its loss and every parameter gradient with the same model
+run eagerly in one process on the full sequence (fp32, relative error <= 1e-5):
+
+- masks written in the model: a key-padding mask from a model input (Hugging Face's
+  form), a band with no upper bound, a 0/1 float mask, a mask passed in as a bool or an
+  additive (finfo.min) tensor, a bidirectional window, and a sequence length that needs
+  padding;
+- Hugging Face Llama and Mistral (sliding window) called with ``attention_mask`` holding
+  left or right padding, as a batch of different lengths is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import hf_models  # noqa: E402
+
+import cp_compile  # noqa: E402
+
+TOL = 1e-5
+B, D = 2, 16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+class MaskedAttention(torch.nn.Module):
+    """Two attention layers over x (B, S, 16) sharing one mask, built as ``kind`` says."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(D, 3 * D) for _ in range(2))
+        self.head = torch.nn.Linear(D, 1)
+
+    def mask(self, S: int, padding: Optional[torch.Tensor], given: Optional[torch.Tensor]) -> torch.Tensor:
+        qi = torch.arange(S)[None, None, :, None]  # (1, 1, S, 1)
+        ki = torch.arange(S)[None, None, None, :]  # (1, 1, 1, S)
+        return {
+            "causal_padding": lambda: (ki <= qi) & padding[torch.arange(B)[:, None, None, None], ki],
+            "no_upper_bound": lambda: ki > qi - 4,
+            "bidirectional_window": lambda: (ki > qi - 5) & (ki < qi + 3),
+            "float": lambda: (ki <= qi).float(),  # added to the scores: 1 on the causal part, 0 elsewhere
+            "given": lambda: given,
+        }[self.kind]()
+
+    def forward(self, x: torch.Tensor, padding: Optional[torch.Tensor] = None,
+                given: Optional[torch.Tensor] = None) -> torch.Tensor:
+        S = x.shape[1]
+        mask = self.mask(S, padding, given)
+        for qkv in self.qkv:
+            q, k, v = qkv(x).view(B, S, 3, 2, D // 2).permute(2, 0, 3, 1, 4)  # 3 x (B, 2, S, 8)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + out.transpose(1, 2).reshape(B, S, D)
+        return self.head(x).pow(2).mean()
+
+
+def _inputs(kind: str, S: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, D, generator=g)
+    padding = torch.ones(B, S, dtype=torch.bool)
+    padding[0, S - 5:] = False  # row 0: right padding; every query still sees its first key
+    given = None
+    if kind == "given":  # a random bool mask (diagonal kept: no query sees nothing) ...
+        given = (torch.rand(B, 1, S, S, generator=g) < 0.5) | torch.eye(S, dtype=torch.bool)
+    if kind == "given_additive":  # ... or an additive one per head, with finfo.min as Hugging Face writes it
+        keep = (torch.rand(B, 2, S, S, generator=g) < 0.5) | torch.eye(S, dtype=torch.bool)
+        given = torch.zeros(B, 2, S, S).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return {"x": x, "padding": padding, "given": given}
+
+
+def _rank_masked(kind: str, S: int, dynamic: bool = False) -> dict:
+    """Errors of ring_cp against one process; ``dynamic``: one graph for S and S - 2 (padded)."""
+    torch._dynamo.reset()
+    model = kind.replace("_additive", "")
+    ref_model, cp_model = MaskedAttention(model), MaskedAttention(model)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    compiled = torch.compile(cp_model, backend=backend, fullgraph=True, dynamic=dynamic or None)
+    loss_err = grad_err = 0.0
+    for length in ((S, S - 2) if dynamic else (S,)):
+        inputs = _inputs(kind, length)
+        for m in (ref_model, cp_model):
+            m.zero_grad(set_to_none=True)
+        ref = ref_model(**inputs)
+        ref.backward()
+        loss = compiled(**inputs)
+        loss.backward()
+        refs = dict(ref_model.named_parameters())
+        grad_err = max([grad_err] + [_rel(p.grad, refs[n].grad) for n, p in cp_model.named_parameters()])
+        loss_err = max(loss_err, _rel(loss.detach(), ref.detach()))
+    rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    return {"loss": loss_err, "grad": grad_err, "fallbacks": len(backend.fallbacks), "graphs": len(backend.graphs),
+            "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}
+
+
+# kind, S, the ring op's (causal, window, explicit mask) for it
+MODEL_CASES = [
+    ("causal_padding", 32, (True, -1, True)),  # key padding from an input: causal kept, (B, 1, 1, S) rows
+    ("causal_padding", 30, (True, -1, True)),  # S = 30 is padded to 32 by the rewrite
+    ("no_upper_bound", 32, (False, -1, True)),
+    ("bidirectional_window", 32, (False, -1, True)),
+    ("float", 32, (False, -1, True)),
+    ("given", 32, (False, -1, True)),
+    ("given_additive", 32, (False, -1, True)),
+]
+
+
+@pytest.mark.parametrize("kind,S,ring", MODEL_CASES, ids=[f"{c[0]}-{c[1]}" for c in MODEL_CASES])
+def test_masks_in_the_model_are_exact(ranks, kind: str, S: int, ring: tuple) -> None:
+    for rank, r in enumerate(ranks.run(2, _rank_masked, kind, S, timeout=120)):
+        assert r["loss"] <= TOL and r["grad"] <= TOL, (rank, r)
+        assert r["fallbacks"] == 0 and r["rings"] == [ring, ring], (rank, r)
+
+
+def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
+    """HF ``model(input_ids, attention_mask, labels)`` with row 0 padded on ``side``."""
+    torch._dynamo.reset()
+    S = 64
+    ids, labels = hf_models.hf_tokens(S)
+    attention_mask = torch.ones_like(ids)
+    pad = slice(0, 9) if side == "left" else slice(S - 9, S)
+    attention_mask[0, pad] = 0
+    labels[0, pad] = -100
+    ref_model, cp_model = (hf_models.hf_model(family, **overrides) for _ in range(2))
+    ref = ref_model(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    ref.loss.backward()
+    backend = cp_compile.RingCP(inner="aot_eager")
+    with torch._dynamo.config.patch(specialize_float=True):
+        out = torch.compile(cp_model, backend=backend, fullgraph=True)(
+            input_ids=ids, attention_mask=attention_mask, labels=labels)
+    out.loss.backward()
+    refs = dict(ref_model.named_parameters())
+    floor = 1e-3 * max(p.grad.double().norm().item() for p in refs.values())  # see test_hf_models._grad_errors
+    grad = max(((p.grad.double() - refs[n].grad.double()).norm() / max(refs[n].grad.double().norm(), floor)).item()
+               for n, p in cp_model.named_parameters())
+    real = attention_mask.bool()[..., None]  # logits of padding tokens are not compared (no label uses them)
+    logits = _rel(out.logits.detach() * real, ref.logits.detach() * real)
+    rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    return {"loss": _rel(out.loss.detach(), ref.loss.detach()), "grad": grad, "logits": logits,
+            "fallbacks": len(backend.fallbacks), "finite": bool(torch.isfinite(ref.logits).all()),
+            "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}
+
+
+@pytest.mark.parametrize("family,side,overrides,window", [
+    ("llama", "right", {}, -1),
+    ("llama", "left", {}, -1),
+    ("mistral", "left", {"sliding_window": 16, "use_cache": False}, 16),  # window + padding together
+], ids=["llama-right", "llama-left", "mistral-window-left"])
+def test_hf_attention_mask_with_padding_is_exact(ranks, family: str, side: str, overrides: dict, window: int) -> None:
+    """The mask keeps causal (and the window) by position; only the key padding is a tensor."""
+    for rank, r in enumerate(ranks.run(2, _rank_hf_padded, family, side, overrides, timeout=240)):
+        assert r["finite"], r  # the single-device reference itself is well defined
+        assert r["loss"] <= TOL and r["grad"] <= TOL and r["logits"] <= TOL, (rank, r)
+        assert r["fallbacks"] == 0 and r["rings"] == [(True, window, True)] * 2, (rank, r)
+
+
+# -- the rewrite alone (no process group: cp_compile.inspect_graph) ------------------------
+def _local_shapes(report) -> list:
+    return [tuple(n.meta["val"].shape) for n in report.after.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+@pytest.mark.parametrize("kind,largest", [("causal_padding", (1, 64)), ("no_upper_bound", (32, 64))])
+def test_no_rank_builds_more_of_a_mask_than_its_rows(kind: str, largest: tuple) -> None:
+    """S = 64 on 2 ranks (c = 32): a key-padding mask stays (B, 1, 1, S); a mask that varies by
+    query is built as this rank's (c, S) rows, never (S, S)."""
+    from cp_compile.inspect_graph import inspect
+
+    inputs = _inputs(kind, 64)
+    report = inspect(MaskedAttention(kind), (inputs["x"], inputs["padding"]), world_size=2)
+    mask_like = [s[-2:] for s in _local_shapes(report) if len(s) == 4 and s[-1] == 64]  # (B|1, H|1, rows, keys)
+    assert mask_like and max(mask_like, key=lambda s: s[0] * s[1]) == largest, mask_like
+
+
+class _LearnedBias(torch.nn.Module):
+    def __init__(self, S: int) -> None:
+        super().__init__()
+        self.proj, self.bias = torch.nn.Linear(D, D), torch.nn.Parameter(torch.zeros(1, 1, S, S))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).view(B, x.shape[1], 2, D // 2).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=self.bias).sum()
+
+
+def test_a_mask_that_needs_a_gradient_is_refused_with_line_and_fix() -> None:
+    from cp_compile.inspect_graph import inspect
+    from cp_compile.passes.context import CPRewriteError
+
+    with pytest.raises(CPRewriteError) as err:
+        inspect(_LearnedBias(32), (torch.randn(B, 32, D),), world_size=2)
+    text = str(err.value)
+    assert "requires grad" in text and "test_backend_masks.py:" in text and "Fix:" in text, text
+
+
+@pytest.mark.parametrize("kind", ["causal_padding", "no_upper_bound"])
+def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
+    """dynamic=True: one graph serves S = 32 and 30 (padded); the mask rows are built from the
+    symbolic length."""
+    for rank, r in enumerate(ranks.run(2, _rank_masked, kind, 32, True, timeout=180)):
+        assert r["loss"] <= TOL and r["grad"] <= TOL and r["fallbacks"] == 0, (rank, r)
+        assert r["graphs"] == 1, (rank, r)
