@@ -4,8 +4,10 @@
 ``torch.compile(model, backend=cp_compile.RingCP(...))``. Each graph Dynamo hands
 over is rewritten for the CP group (passes: find attention -> choose sequence
 inputs -> layout propagation + rewrite) and passed to the inner compiler. With no
-process group, a CP group of size 1 or no attention in the graph, the graph goes to
-the inner compiler unchanged.
+process group or a CP group of size 1 the graph goes to the inner compiler
+unchanged; a graph without attention does too, except that under
+``grad_sync="none"`` its parameter gradients become this rank's 1/N share
+(:mod:`.passes.grad_share`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ._group import resolve_group
 from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
 from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
+from .passes.grad_share import share_parameter_grads
 from .passes.rewrite import rewrite_graph
 from .passes.repropagate import repropagate
 from .passes.seq_inputs import choose_seq_inputs, resolve_candidates
@@ -78,6 +81,7 @@ class RingCP:
         self.options = BackendOptions(**options)
         self.graphs: List[fx.GraphModule] = []  # rewritten graphs, for inspection
         self.fallbacks: List[str] = []  # every gather to the full sequence, with its source line
+        self.no_attention: List[fx.GraphModule] = []  # graphs compiled without a rewrite (see grad_share)
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: List[torch.Tensor], mode: Optional[str] = None,
@@ -96,8 +100,12 @@ class RingCP:
                                                      "inputs", "outputs", "grad_sync", "strict")})
         new_gm = rewrite_for_cp(gm, example_inputs, ctx)
         if new_gm is None:
-            log.info("cp_compile: no attention in this graph: compiling it unchanged")
-            return inner(gm, example_inputs)
+            self.no_attention.append(gm)
+            shared = share_parameter_grads(gm, example_inputs, ctx)
+            if shared is None:
+                log.info("cp_compile: no attention in this graph: compiling it unchanged")
+                return inner(gm, example_inputs)
+            return inner(shared, example_inputs)
         _set_ring_timeout(new_gm, opts.timeout)
         self.graphs.append(new_gm)
         self.fallbacks.extend(ctx.fallbacks)
