@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from .. import graph_ops
-from .context import CPRewriteError, RewriteContext, log
+from .context import CPRewriteError, RewriteContext, log, source_line
 from .seq_inputs import is_parameter_like, refuse_unknown
 
 
@@ -49,7 +49,8 @@ def grad_enabled_nodes(gm: fx.GraphModule) -> Set[fx.Node]:
     return out
 
 
-def _parameters_with_grad(gm: fx.GraphModule, examples: Dict[str, Any], ctx: RewriteContext) -> Dict[fx.Node, List[fx.Node]]:
+def _parameters_with_grad(gm: fx.GraphModule, examples: Dict[str, Any],
+                          ctx: RewriteContext) -> Dict[fx.Node, List[fx.Node]]:
     """Parameter inputs that need a gradient -> their users that run with grad mode on."""
     recording = grad_enabled_nodes(gm)
     found: Dict[fx.Node, List[fx.Node]] = {}
@@ -64,7 +65,8 @@ def _parameters_with_grad(gm: fx.GraphModule, examples: Dict[str, Any], ctx: Rew
     return found
 
 
-def share_parameter_grads(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
+def share_parameter_grads(gm: fx.GraphModule, example_inputs: List[Any],
+                          ctx: RewriteContext) -> Optional[fx.GraphModule]:
     """A copy of ``gm`` (a graph without attention) whose parameters get 1/N of their
     gradient, or None when it needs no change (no parameter gradients, or grad_sync="allreduce")."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -73,9 +75,11 @@ def share_parameter_grads(gm: fx.GraphModule, example_inputs: List[Any], ctx: Re
     if not params:
         return None
     if "local" in (ctx.inputs, ctx.outputs):
+        first_use = source_line(next(iter(params.values()))[0])
         raise CPRewriteError(
             f"cp_compile: a graph without attention computes gradients of parameters "
-            f"{sorted(n.name for n in params)[:4]} under inputs='{ctx.inputs}', outputs='{ctx.outputs}': its values "
+            f"{sorted(n.name for n in params)[:4]} (first used at {first_use}) under inputs='{ctx.inputs}', "
+            f"outputs='{ctx.outputs}': its values "
             "may be this rank's shard or the whole sequence, which cannot be told, so its gradients could come out "
             "wrong. Fix: compile the model as one graph (fullgraph=True; remove the graph break; with DDP "
             "torch._dynamo.config.optimize_ddp = False), or inputs='full' and outputs='full'."

@@ -3,10 +3,11 @@
 Before: a graph with ``ctx.attention`` found. After: ``ctx.shard_inputs`` maps
 placeholder names to their sequence dim. ``seq_inputs="auto"`` picks the user
 inputs and the values an earlier graph computed (a DDPOptimizer piece's inputs; never
-parameters or buffers, see :func:`input_kind`) that reach the q/k/v of an attention and have
-a dim of size S (several such dims: settled by :func:`resolve_candidates`); a
-mapping ``{"input_ids": 1, ...}`` (argument names) always wins. Inputs left out stay Global and are indexed by position where they
-meet sharded values, which is also exact.
+parameters or buffers, see :func:`input_kind`) that reach the q/k/v of an attention
+and have a dim of size S (several such dims: settled by :func:`resolve_candidates`);
+a mapping ``{"input_ids": 1, ...}`` (argument names) always wins. Inputs left out
+stay Global and are indexed by position where they meet sharded values, which is
+also exact.
 """
 
 from __future__ import annotations
