@@ -4,8 +4,10 @@
 ``torch.compile(model, backend=cp_compile.RingCP(...))``. Each graph Dynamo hands
 over is rewritten for the CP group (passes: find attention -> choose sequence
 inputs -> layout propagation + rewrite) and passed to the inner compiler. With no
-process group, a CP group of size 1 or no attention in the graph, the graph goes to
-the inner compiler unchanged.
+process group or a CP group of size 1 the graph goes to the inner compiler
+unchanged; a graph without attention does too, except that under
+``grad_sync="none"`` its parameter gradients become this rank's 1/N share
+(:mod:`.passes.grad_share`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import torch.fx as fx
 
 from ._group import resolve_group
 from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
+from .eager_guard import guard_eager_parameters
 from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
+from .passes.grad_share import share_parameter_grads
 from .passes.rewrite import rewrite_graph
 from .passes.repropagate import repropagate
-from .passes.seq_inputs import choose_seq_inputs, resolve_candidates
+from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates
 from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
@@ -78,6 +82,7 @@ class RingCP:
         self.options = BackendOptions(**options)
         self.graphs: List[fx.GraphModule] = []  # rewritten graphs, for inspection
         self.fallbacks: List[str] = []  # every gather to the full sequence, with its source line
+        self.no_attention: List[fx.GraphModule] = []  # graphs compiled without a rewrite (see grad_share)
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: List[torch.Tensor], mode: Optional[str] = None,
@@ -96,12 +101,17 @@ class RingCP:
                                                      "inputs", "outputs", "grad_sync", "strict")})
         new_gm = rewrite_for_cp(gm, example_inputs, ctx)
         if new_gm is None:
-            log.info("cp_compile: no attention in this graph: compiling it unchanged")
-            return inner(gm, example_inputs)
-        _set_ring_timeout(new_gm, opts.timeout)
-        self.graphs.append(new_gm)
-        self.fallbacks.extend(ctx.fallbacks)
-        return _hand_off(opts.inner, inner, new_gm, example_inputs)
+            self.no_attention.append(gm)
+            shared = share_parameter_grads(gm, example_inputs, ctx)
+            if shared is None:
+                log.info("cp_compile: no attention in this graph: compiling it unchanged")
+            compiled = inner(shared if shared is not None else gm, example_inputs)
+        else:
+            _set_ring_timeout(new_gm, opts.timeout)
+            self.graphs.append(new_gm)
+            self.fallbacks.extend(ctx.fallbacks)
+            compiled = _hand_off(opts.inner, inner, new_gm, example_inputs)
+        return _guard_shares(compiled, gm, example_inputs, opts, group.size)
 
 
 def _merge_options(base: BackendOptions, options: Optional[Dict[str, Any]]) -> BackendOptions:
@@ -134,6 +144,18 @@ def _with_mode(inner: Callable, name: str, mode: Optional[str]) -> Callable:
         return inner(gm, example_inputs, **kwargs)
 
     return compile_with_mode
+
+
+def _guard_shares(compiled: Callable, gm: fx.GraphModule, example_inputs: List[Any], opts: BackendOptions,
+                  world: int) -> Callable:
+    """Under grad_sync="none", ``compiled`` refusing parameters used eagerly before it (see
+    :mod:`.eager_guard`; needs AOTAutograd's graphs, so not with inner="eager")."""
+    if opts.grad_sync != "none" or opts.inner == "eager":
+        return compiled
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    grad_inputs = [i for i, (n, ex) in enumerate(zip(placeholders, example_inputs))
+                   if isinstance(ex, torch.Tensor) and ex.requires_grad and not is_parameter_like(n, ex)]
+    return guard_eager_parameters(compiled, grad_inputs, world) if grad_inputs else compiled
 
 
 def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:

@@ -50,6 +50,10 @@ class LlamaConfig:
     shift_labels_inside: bool = False
     # True: a graph break after every layer (eager code between compiled pieces).
     graph_break_between_layers: bool = False
+    # True: a graph break between the embedding and the first layer / between the last
+    # layer and the final norm (outside the loop, so Dynamo compiles every piece).
+    graph_break_after_embedding: bool = False
+    graph_break_before_head: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -167,10 +171,14 @@ class Llama(nn.Module):
             pos = torch.arange(S, device=input_ids.device)  # (S,)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (S, D)
         x = self.tok_emb(input_ids)  # (B, S, dim)
+        if self.cfg.graph_break_after_embedding:
+            torch._dynamo.graph_break()
         for layer in self.layers:
             x = layer(x, cos, sin)
             if self.cfg.graph_break_between_layers:
                 torch._dynamo.graph_break()
+        if self.cfg.graph_break_before_head:
+            torch._dynamo.graph_break()
         logits = self.lm_head(self.norm(x))  # (B, S, V)
         if labels is None:
             return logits

@@ -14,6 +14,14 @@ dp x cp ranks must sum and divide by the dp size only; with the default
 the mean as usual. The loss is a mean over valid targets, so every row gets the
 same number of valid targets: then the mean of the per-row means is the global mean
 (as for data parallelism without CP). Tiny Llama, S=32, aot_eager.
+
+Several graphs under ``grad_sync="none"``: two recipes run per-layer
+FSDP2 (its hooks split the graph; the embedding and the head graphs have no attention)
+and DDP with DDPOptimizer on (Dynamo splits the graph at DDP's 1 MB buckets: a 2.1 MB
+Llama with a tied embedding becomes three pieces, the middle one taking the hidden
+states and RoPE tables the first computed, the last one the head without attention).
+On 2 ranks without data parallelism, graph breaks check the same share contract: the
+shares summed over cp (what DDP/FSDP does) equal every parameter's gradient.
 """
 
 from __future__ import annotations
@@ -33,23 +41,26 @@ import cp_compile  # noqa: E402
 DP, CP = 2, 2
 TOL = 1e-5
 LR = 0.1
+# dim 128, 3 layers, vocab 2048, tied embedding: 2.1 MB of parameters, split by DDPOptimizer
+# (bucket_cap_mb=1) into embedding + layer 0 attention | the rest of the layers | head + loss.
+SPLIT_MODEL = {"dim": 128, "n_layers": 3, "vocab_size": 2048, "tie_embeddings": True}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _global_batch():
-    """The example Llama and a global batch of DP rows (S=32), the same count of valid
-    targets (labels != -100) in every row."""
-    model, (ids, labels) = models.llama_factory(seq_len=32, batch=DP)
+def _global_batch(**model_kw):
+    """The example Llama (``model_kw``: config overrides) and a global batch of DP rows (S=32),
+    the same count of valid targets (labels != -100) in every row."""
+    model, (ids, labels) = models.llama_factory(seq_len=32, batch=DP, **model_kw)
     targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # pre-shifted, as llama_factory's labels
     return model, ids, targets.masked_fill(labels[:1] == -100, -100)
 
 
-def _reference():
+def _reference(model_kw: dict):
     """Single process, eager, whole global batch: (loss, {name: grad}, {name: param after SGD})."""
-    model, ids, labels = _global_batch()
+    model, ids, labels = _global_batch(**model_kw)
     loss = model(ids, labels)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -80,6 +91,18 @@ def _wrap(recipe: str, model, mesh):
         fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))
         model.set_gradient_divide_factor(float(mesh.size(0)))
         model.set_force_sum_reduction_for_comms(True)
+    elif recipe.startswith("fsdp_per_layer"):  # HSDP per layer: FSDP's hooks break the graph
+        for module in (*model.layers, model):
+            fully_shard(module, mesh=mesh)
+        for module in (*model.layers, model):  # these settings act on one unit each
+            module.set_gradient_divide_factor(float(mesh.size(0)))
+            module.set_force_sum_reduction_for_comms(True)
+        if recipe == "fsdp_per_layer":
+            # FSDP's hooks break the graph inside Llama.forward's loop, so Dynamo runs that forward
+            # eagerly and compiles only the modules it calls that have Python frames of their own
+            # (the layers, RMSNorm): the built-in nn.Embedding and nn.Linear must be compiled too.
+            model.tok_emb = torch.compile(model.tok_emb, backend=backend)
+            model.lm_head = torch.compile(model.lm_head, backend=backend)
     elif recipe == "fsdp_dp_allreduce":  # per-layer FSDP over dp; ring_cp sums over cp
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])
@@ -89,13 +112,14 @@ def _wrap(recipe: str, model, mesh):
         if recipe == "ddp_dp_allreduce":
             return DDP(model, process_group=mesh.get_group("dp")), backend
         group = mesh["dp", "cp"]._flatten("dp_cp").get_group()
-        ddp = DDP(model, process_group=group)
-        if recipe == "ddp":
+        ddp = DDP(model, process_group=group, bucket_cap_mb=1 if recipe == "ddp_optimizer" else 25)
+        if recipe in ("ddp", "ddp_optimizer"):
             ddp.register_comm_hook((group, float(mesh.size(0))), _sum_then_divide)
         return ddp, backend
     else:
         raise ValueError(recipe)
-    return torch.compile(model, backend=backend, fullgraph=recipe != "fsdp_dp_allreduce"), backend
+    per_layer = recipe.startswith("fsdp_per_layer") or recipe == "fsdp_dp_allreduce"  # FSDP's hooks break the graph
+    return torch.compile(model, backend=backend, fullgraph=not per_layer), backend
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -103,44 +127,53 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _compose(recipe: str):
+def _compose(recipe: str, model_kw: dict):
     """On every rank: (loss averaged over dp, {name: full grad}, {name: full param after SGD},
-    number of graphs ring_cp rewrote)."""
+    the graph counts of :func:`_graph_counts`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
-    model, ids, labels = _global_batch()
+    model, ids, labels = _global_batch(**model_kw)
     d = mesh.get_local_rank("dp")
     ids, labels = ids[d : d + 1], labels[d : d + 1]  # this dp rank's row; both cp ranks pass it whole
     run, backend = _wrap(recipe, model, mesh)
-    # DDPOptimizer would split the graph at DDP bucket boundaries (see the README).
-    with torch._dynamo.config.patch(optimize_ddp=False):
+    # DDPOptimizer (Dynamo's default under DDP) splits the graph at DDP bucket boundaries:
+    # on only where a recipe tests it.
+    with torch._dynamo.config.patch(optimize_ddp=recipe == "ddp_optimizer"):
         loss = run(ids, labels)
         loss.backward()
-    named = list(model.named_parameters())
+    named = [(n.replace("._orig_mod", ""), p) for n, p in model.named_parameters()]  # torch.compile'd submodules
     grads = {n: _full(p.grad).clone() for n, p in named}
     torch.optim.SGD(model.parameters(), lr=LR).step()
     params = {n: _full(p.detach()).clone() for n, p in named}
     loss = loss.detach().clone()
     dist.all_reduce(loss)  # each dp row's loss is on CP ranks: the mean over all ranks = over dp
-    return loss / dist.get_world_size(), grads, params, len(backend.graphs)
+    return loss / dist.get_world_size(), grads, params, _graph_counts(backend)
+
+
+def _graph_counts(backend) -> dict:
+    """Graphs ring_cp rewrote, ring attention calls in them, and graphs without attention."""
+    rings = sum("ring_attention_fwd" in str(n.target) for gm in backend.graphs for n in gm.graph.nodes)
+    return {"rewritten": len(backend.graphs), "rings": rings, "plain": len(backend.no_attention)}
 
 
 @pytest.fixture(scope="module")
 def reference():
     torch._dynamo.reset()
-    return _reference()
+    return _reference({})
 
 
-RECIPES = ["fsdp_hsdp", "fsdp_flat", "ddp", "fsdp_dp_allreduce", "ddp_dp_allreduce"]
+@pytest.fixture(scope="module")
+def split_reference():
+    torch._dynamo.reset()
+    return _reference(SPLIT_MODEL)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_dp_x_cp_equals_one_process_on_the_global_batch(ranks, reference, recipe):
+def _check(per_rank: list, reference) -> None:
+    """Every rank's loss, full gradients and parameters after SGD equal the reference's."""
     ref_loss, ref_grads, ref_params = reference
-    for rank, (loss, grads, params, n_graphs) in enumerate(ranks.run(4, _compose, recipe, timeout=300)):
-        assert n_graphs >= 1, (rank, "ring_cp rewrote no graph")
+    for rank, (loss, grads, params, *_) in enumerate(per_rank):
         assert _rel(loss, ref_loss) <= TOL, (rank, loss.item(), ref_loss.item())
         assert set(grads) == set(ref_grads)
         grad_err = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
@@ -149,10 +182,111 @@ def test_dp_x_cp_equals_one_process_on_the_global_batch(ranks, reference, recipe
         assert max(param_err.values()) <= TOL, (rank, param_err)
 
 
+RECIPES = ["fsdp_hsdp", "fsdp_flat", "ddp", "fsdp_dp_allreduce", "ddp_dp_allreduce"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dp_x_cp_equals_one_process_on_the_global_batch(ranks, reference, recipe):
+    per_rank = ranks.run(4, _compose, recipe, {}, timeout=300)
+    for rank, (*_, counts) in enumerate(per_rank):
+        assert counts["rewritten"] >= 1, (rank, "ring_cp rewrote no graph")
+    _check(per_rank, reference)
+
+
+def test_per_layer_fsdp_with_grad_sync_none_equals_one_process(ranks, reference):
+    """FSDP's hooks split the model: the graphs without attention (embedding, final norm, head)
+    leave their parameters a 1/cp share too, so HSDP's sum over cp is the gradient."""
+    per_rank = ranks.run(4, _compose, "fsdp_per_layer", {}, timeout=300)
+    for *_, counts in per_rank:
+        # one graph serves both layers; embedding, final norm and head are graphs without attention
+        assert counts["rewritten"] >= 1 and counts["plain"] >= 3, counts
+    _check(per_rank, reference)
+
+
+def test_ddp_optimizer_with_grad_sync_none_equals_one_process(ranks, split_reference):
+    """DDPOptimizer on: the pieces' inputs computed by an earlier piece are activations (full
+    gradient, sharded where they reach attention), not parameters."""
+    per_rank = ranks.run(4, _compose, "ddp_optimizer", SPLIT_MODEL, timeout=300)
+    for *_, counts in per_rank:
+        # three pieces, one without attention; all three attentions became the ring, so the
+        # hidden states the second piece takes were split over cp (not left whole)
+        assert counts == {"rewritten": 2, "rings": 3, "plain": 1}, counts
+    _check(per_rank, split_reference)
+
+
 def test_ddp_default_mean_over_dp_x_cp_halves_the_gradient(ranks, reference):
     """Control: DDP's own hook divides by dp x cp = 4 where dp = 2 is right, so with
     grad_sync="none" every gradient comes out at exactly 1/CP of the true one."""
     _, ref_grads, _ = reference
-    for _, grads, _, _ in ranks.run(4, _compose, "ddp_default_mean", timeout=300):
+    for _, grads, *_ in ranks.run(4, _compose, "ddp_default_mean", {}, timeout=300):
         for n, g in grads.items():
             assert _rel(g * CP, ref_grads[n]) <= TOL, n
+
+
+def _refusal(recipe: str) -> str:
+    """The error ``recipe`` raises on this rank ("" if none)."""
+    try:
+        _compose(recipe, {})
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def test_per_layer_fsdp_with_an_eager_embedding_is_refused(ranks):
+    """Control: with only torch.compile(model), per-layer FSDP makes Dynamo run Llama.forward
+    eagerly, so nn.Embedding's weight never reaches ring_cp and every cp rank would hold its
+    full gradient (cp times too large after the sum): grad_sync="none" refuses, naming the fix."""
+    for msg in ranks.run(4, _refusal, "fsdp_per_layer_model", timeout=300):
+        assert "runs eagerly" in msg and "EmbeddingBackward0" in msg and "torch.compile(module" in msg, msg
+
+
+def _graph_break_shares(model_kw: dict):
+    """grad_sync="none" across graph breaks: (share err, summed err) per parameter, and the
+    number of rewritten graphs and of graphs without attention."""
+    torch._dynamo.reset()
+    ref_model, inputs = models.llama_factory(**model_kw)
+    cp_model, _ = models.llama_factory(**model_kw)
+    ref_model(*inputs).backward()
+    backend = cp_compile.RingCP(inner="aot_eager", grad_sync="none")
+    torch.compile(cp_model, backend=backend)(*inputs).backward()
+    errs = {}
+    for (name, p), (_, p_ref) in zip(cp_model.named_parameters(), ref_model.named_parameters()):
+        share = _rel(p.grad, p_ref.grad)
+        dist.all_reduce(p.grad)  # what DDP/FSDP does over the CP ranks
+        errs[name] = (share, _rel(p.grad, p_ref.grad))
+    return errs, len(backend.graphs), len(backend.no_attention)
+
+
+@pytest.mark.parametrize("model_kw", [
+    # embedding | layers | norm + head + loss: the first and last graphs have no attention
+    {"graph_break_after_embedding": True, "graph_break_before_head": True},
+    # tied embedding: used in a rewritten graph (embedding + layers) and in one without attention (head)
+    {"graph_break_before_head": True, "tie_embeddings": True},
+], ids=["embedding_layers_head", "tied_embedding"])
+def test_graph_breaks_with_grad_sync_none_leave_shares_that_sum_to_the_gradient(ranks, model_kw):
+    """Graphs without attention run whole on every rank: their parameters' gradients are
+    scaled to a 1/N share, so the sum over the CP ranks is the gradient (not N times it)."""
+    for errs, n_rewritten, n_plain in ranks.run(2, _graph_break_shares, model_kw):
+        assert n_rewritten == 1 and n_plain >= 1, (n_rewritten, n_plain)
+        assert max(after for _, after in errs.values()) <= TOL, errs
+        assert min(share for share, _ in errs.values()) > 1e-2, errs  # every gradient was left a share
+
+
+def _local_inputs_across_a_break() -> str:
+    """inputs="local" with a graph break after the embedding: the error (or "")."""
+    torch._dynamo.reset()
+    model, (ids, labels) = models.llama_factory(graph_break_after_embedding=True)
+    backend = cp_compile.RingCP(inner="aot_eager", inputs="local")
+    try:
+        torch.compile(model, backend=backend, dynamic=True)(cp_compile.shard(ids, 1), cp_compile.shard(labels, 1))
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; its message is checked
+        return str(e)
+    return ""
+
+
+def test_local_inputs_with_a_graph_without_attention_are_refused(ranks):
+    """The embedding graph cannot tell whether it sees this rank's shard or the whole sequence,
+    so whether its parameter gradient is a share (with grad_sync="allreduce" nothing would sum
+    it over cp): refused, naming the source line and the fix."""
+    for msg in ranks.run(2, _local_inputs_across_a_break):
+        assert "graph without attention" in msg and "inputs='full'" in msg and "models.py" in msg, msg

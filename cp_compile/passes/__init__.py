@@ -9,5 +9,8 @@
    :mod:`.rules_attention`, indices in :mod:`.seqindex`) emitting the per-rank graph;
 4. :mod:`.repropagate` — per-rank fake values on the rewritten graph.
 
+A graph without attention skips 1-4; under ``grad_sync="none"`` :mod:`.grad_share`
+scales its parameter gradients to this rank's 1/N share.
+
 The layouts are defined in :mod:`.layouts`; what the passes share is in :mod:`.context`.
 """

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from .layouts import GLOBAL, Global, Layout, Sharded
-from .seq_inputs import is_parameter_like
+from .seq_inputs import is_parameter_like, refuse_unknown
 from .seqindex import SeqIndex
 
 
@@ -144,8 +144,9 @@ def _finish_inputs(em: Emitter) -> None:
 
     An input that needs a gradient gets ``grad_all_reduce``: its per-rank gradient is
     a share (local positions only, or a replicated use), and the caller (an
-    optimizer, or eager code before a graph break) needs the full gradient.
-    Parameters skip it under ``grad_sync="none"`` (DDP/FSDP sums them). 1-D
+    optimizer, eager code before a graph break, or the previous piece of a
+    DDPOptimizer split) needs the full gradient. Parameters skip it under
+    ``grad_sync="none"`` (DDP/FSDP sums them); see :func:`.seq_inputs.input_kind`. 1-D
     parameters (norm scales, biases) share one flat all-reduce per bucket. Buckets
     are emitted first: autograd runs later-created nodes first, so the per-matrix
     all-reduces fire as their gradients appear and the buckets at the very end.
@@ -160,6 +161,7 @@ def _finish_inputs(em: Emitter) -> None:
             continue
         if local and node.name in ctx.shard_inputs:
             continue  # a local shard's gradient is already complete on its rank
+        refuse_unknown(node, example, ctx)
         is_param = is_parameter_like(node, example)
         if is_param and ctx.grad_sync == "allreduce" and example.dim() <= 1:
             bucket.append(node)

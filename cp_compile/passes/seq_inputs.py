@@ -2,17 +2,19 @@
 
 Before: a graph with ``ctx.attention`` found. After: ``ctx.shard_inputs`` maps
 placeholder names to their sequence dim. ``seq_inputs="auto"`` picks the user
-inputs (never parameters or buffers) that reach the q/k/v of an attention and have
-a dim of size S (several such dims: settled by :func:`resolve_candidates`); a
-mapping ``{"input_ids": 1, ...}`` (argument names) always wins. Inputs left out stay Global and are indexed by position where they
-meet sharded values, which is also exact.
+inputs and the values an earlier graph computed (a DDPOptimizer piece's inputs; never
+parameters or buffers, see :func:`input_kind`) that reach the q/k/v of an attention
+and have a dim of size S (several such dims: settled by :func:`resolve_candidates`);
+a mapping ``{"input_ids": 1, ...}`` (argument names) always wins. Inputs left out
+stay Global and are indexed by position where they meet sharded values, which is
+also exact.
 """
 
 from __future__ import annotations
 
 import re
 from itertools import product
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import networkx as nx
 import torch
@@ -45,11 +47,69 @@ def user_name(node: fx.Node) -> str:
     return next(g for g in m.groups() if g) if m else name
 
 
-def is_parameter_like(node: fx.Node, example: Optional[torch.Tensor]) -> bool:
-    """Parameters, module buffers and anything else that is not a forward() argument."""
+def input_kind(node: fx.Node, example: Any) -> str:
+    """What a graph input is, for the gradient contract and for sharding.
+
+    * ``"parameter"``: an ``nn.Parameter`` (Dynamo lifts them as inputs, fake or real, the
+      Parameter class kept), a module buffer or another global (its Dynamo source is not a
+      forward() argument);
+    * ``"user"``: a forward() argument (Dynamo source ``L['name']``);
+    * ``"computed"``: a value an earlier graph computed. DDPOptimizer splits Dynamo's graph
+      at DDP bucket boundaries and hands each piece over on its own; the inputs of a later
+      piece are nodes of the original graph, with its ``example_value`` but no ``grapharg``
+      (no Dynamo source), and their examples are the earlier piece's fake outputs: tensors
+      with an autograd history (or that need no gradient);
+    * ``"unknown"``: no Dynamo source and a leaf tensor that needs a gradient but is not a
+      Parameter: a weight or an activation, cannot be told (see :func:`refuse_unknown`).
+    """
     if isinstance(example, torch.nn.Parameter):
-        return True
-    return _USER_SOURCE.fullmatch(_source_name(node)) is None
+        return "parameter"
+    if "grapharg" in node.meta:
+        return "user" if _USER_SOURCE.fullmatch(_source_name(node)) else "parameter"
+    if isinstance(example, torch.Tensor) and example.requires_grad and example.grad_fn is None:
+        return "unknown"
+    return "computed"
+
+
+def is_parameter_like(node: fx.Node, example: Any) -> bool:
+    """Parameters, module buffers and anything else that is neither a forward() argument nor
+    a value an earlier graph computed (an unknown input counts as a parameter, as it always did)."""
+    return input_kind(node, example) in ("parameter", "unknown")
+
+
+def refuse_unknown(node: fx.Node, example: Any, ctx: RewriteContext) -> None:
+    """Under ``grad_sync="none"`` a parameter's gradient stays this rank's share and any other
+    input's is summed over the group: an input that could be either must not be guessed."""
+    if ctx.grad_sync == "none" and input_kind(node, example) == "unknown":
+        raise CPRewriteError(
+            f"cp_compile: graph input {node.name} needs a gradient but is neither a Dynamo-traced input nor an "
+            "nn.Parameter, so grad_sync='none' cannot tell whether its gradient should stay this rank's share "
+            "(a parameter) or be summed over the CP group (an activation from an earlier graph). Fix: "
+            "torch._dynamo.config.optimize_ddp = False (keeps DDP's forward one graph), or grad_sync='allreduce'."
+        )
+
+
+def refuse_split_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, Any]) -> None:
+    """Inputs an earlier graph computed (DDPOptimizer pieces) arrive at the full sequence: they
+    are sharded here like forward() arguments. That is right only when the earlier piece returned
+    full values and the inputs cannot be named by the user."""
+    computed = [n.name for n in gm.graph.nodes if n.op == "placeholder"
+                and isinstance(examples.get(n.name), torch.Tensor) and input_kind(n, examples[n.name]) == "computed"]
+    if not computed:
+        return
+    if "local" in (ctx.inputs, ctx.outputs):
+        why = ("inputs='local' / outputs='local' keep this rank's shard across the split, where the next piece "
+               "would take it for the whole sequence")
+    elif isinstance(ctx.seq_inputs, dict):
+        why = (f"seq_inputs={ctx.seq_inputs} names forward() arguments, while this piece's sequence inputs are "
+               "values the previous piece computed")
+    else:
+        return
+    raise CPRewriteError(
+        f"cp_compile: this graph is a piece of a larger one (DDPOptimizer split it at a DDP bucket boundary; "
+        f"inputs {computed} come from the previous piece), and {why}. Fix: torch._dynamo.config.optimize_ddp "
+        "= False (one graph), or the defaults inputs='full', outputs='full', seq_inputs='auto'."
+    )
 
 
 def _dataflow(gm: fx.GraphModule) -> nx.DiGraph:
@@ -70,6 +130,8 @@ def _qkv(node: fx.Node) -> tuple:
 
 
 def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
+    """Fill ``ctx.shard_inputs`` (a mapping) or ``ctx.shard_candidates`` (auto), see the module docstring."""
+    refuse_split_inputs(gm, ctx, examples)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_user = {user_name(n): n for n in placeholders}
     if isinstance(ctx.seq_inputs, dict):
