@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import uuid
+from unittest import mock
 
 import pytest
 import torch
@@ -236,18 +237,18 @@ def _inductor_twice(cache_dir: str):
     (the first of the two written), so one of them runs the other's artifact."""
     from torch._dynamo.utils import counters
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     results = []
-    for _ in range(2):
-        torch._dynamo.reset()
-        counters.clear()
-        ref_model, inputs = models.llama_factory()
-        cp_model, _ = models.llama_factory()
-        ref = ref_model(*inputs)
-        ref.backward()
-        out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="inductor"), fullgraph=True)(*inputs)
-        out.backward()
-        results.append((*_errors(ref_model, ref, cp_model, out), dict(counters["aot_autograd"])))
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir}):  # restored for later tests
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            ref_model, inputs = models.llama_factory()
+            cp_model, _ = models.llama_factory()
+            ref = ref_model(*inputs)
+            ref.backward()
+            out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="inductor"), fullgraph=True)(*inputs)
+            out.backward()
+            results.append((*_errors(ref_model, ref, cp_model, out), dict(counters["aot_autograd"])))
     return results
 
 
