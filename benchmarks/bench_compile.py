@@ -17,7 +17,8 @@ cold run filled (Inductor's FX-graph and AOTAutograd caches). One Inductor compi
 worker (``TORCHINDUCTOR_COMPILE_THREADS=1``) everywhere. Also reported: the CPU
 seconds the process and its children (the C++ compiler) spent in the first step
 (user + system, less sensitive to other load on the machine than wall time). ring_cp's figure is its slowest rank. Each
-figure is the median over ``--repeats`` (each repeat with new cache dirs).
+figure is the median over ``--repeats`` (each repeat with new cache dirs). And whether each
+rank's compile hit, missed or bypassed the AOTAutograd cache (``torch._dynamo.utils.counters``).
 Target: ring_cp / inductor <= 1.3 (cold and warm).
 """
 
@@ -47,6 +48,8 @@ def rank_main(rank: int, world: int, args) -> Dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from torch._dynamo.utils import counters
+
     import cp_compile
     import models
 
@@ -64,17 +67,21 @@ def rank_main(rank: int, world: int, args) -> Dict[str, float]:
     c0, t0 = _cpu_s(), time.perf_counter()
     step()
     first, first_cpu = time.perf_counter() - t0, _cpu_s() - c0
+    aot = counters["aot_autograd"]  # did the first step's compile hit AOTAutograd's cache?
     steady = common.median([common.timed(step, sync) for _ in range(2)])
-    return {"first_s": first, "first_cpu_s": first_cpu, "steady_s": steady}
+    return {"first_s": first, "first_cpu_s": first_cpu, "steady_s": steady,
+            **{k: aot[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass")}}
 
 
 def one_run(backend: str, cache: str, args) -> Dict[str, float]:
-    """One launch on ``cache``: the slowest rank's compile wall and CPU seconds."""
+    """One launch on ``cache``: the slowest rank's compile wall and CPU seconds; AOTAutograd
+    cache hits, misses and bypasses summed over the ranks."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read by the spawned processes at import
     world = 2 if backend == "ring_cp" else 1
     res = common.run_ranks(rank_main, world, args)
     return {"compile_s": max(r["first_s"] - r["steady_s"] for r in res),
-            "compile_cpu_s": max(r["first_cpu_s"] for r in res), "steady_s": max(r["steady_s"] for r in res)}
+            "compile_cpu_s": max(r["first_cpu_s"] for r in res), "steady_s": max(r["steady_s"] for r in res),
+            **{f"aot_cache_{k}": sum(r[k] for r in res) for k in ("hit", "miss", "bypass")}}
 
 
 def main(argv=None) -> None:

@@ -141,9 +141,10 @@ def check_compile(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
     out = []
     for x in r["rows"]:
         ok = x["ratio_wall"] <= 1.3
+        bypass = x.get("ring_cp_aot_cache_bypass", 0)
         why = "" if ok else (f"CPU-seconds ratio {_f(x['ratio_cpu'])}× (wall includes 2 ranks compiling at once on "
-                             "2 shared cores); ring_cp's rewrite passes run on every compile, before Inductor's "
-                             "cache lookup, so a warm cache does not skip them")
+                             f"2 shared cores, load average {r['machine'].get('load_avg_1min', '?')} at the end)"
+                             + (f"; ring_cp's graphs bypassed the AOTAutograd cache ({bypass:g}× over the ranks)" if bypass else ""))
         out.append((f"7. compile ({x['cache']} cache)", "ring_cp / inductor ≤ 1.3",
                     f"{_f(x['ratio_wall'])}× wall ({_f(x['ring_cp_compile_s'], 1)} s vs "
                     f"{_f(x['inductor_compile_s'], 1)} s)", ok, why))

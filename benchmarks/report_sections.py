@@ -135,9 +135,15 @@ def vs_torch(r: Rec) -> str:
 
 
 def compile_(r: Rec) -> str:
+    def aot(x: dict, b: str) -> str:  # hit/miss/bypass summed over ranks (records before it: unknown)
+        return "/".join(f"{x[f'{b}_aot_cache_{k}']:g}" for k in ("hit", "miss", "bypass")) \
+            if f"{b}_aot_cache_hit" in x else "?"
+
     rows = [[x["cache"], _f(x["inductor_compile_s"], 1), _f(x["ring_cp_compile_s"], 1), _f(x["ratio_wall"]),
-             _f(x["inductor_compile_cpu_s"], 1), _f(x["ring_cp_compile_cpu_s"], 1), _f(x["ratio_cpu"])] for x in r["rows"]]
-    return _table(["cache", "inductor (s)", "ring_cp (s)", "ratio", "inductor CPU s", "ring_cp CPU s", "CPU ratio"], rows)
+             _f(x["inductor_compile_cpu_s"], 1), _f(x["ring_cp_compile_cpu_s"], 1), _f(x["ratio_cpu"]),
+             aot(x, "inductor"), aot(x, "ring_cp")] for x in r["rows"]]
+    return _table(["cache", "inductor (s)", "ring_cp (s)", "ratio", "inductor CPU s", "ring_cp CPU s", "CPU ratio",
+                   "inductor AOTAutograd cache hit/miss/bypass", "ring_cp (sum of 2 ranks)"], rows)
 
 
 def error(r: Rec) -> str:

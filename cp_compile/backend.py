@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ._group import resolve_group
+from .aot_cache import aot_cache_config
 from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
 from .eager_guard import guard_eager_parameters
 from .passes.context import CPRewriteError, RewriteContext
@@ -195,10 +196,12 @@ def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: Li
 
     Inductor: its own comm/compute reordering, passed as config_patches (the backward
     is compiled later, at the first .backward(), so a config context would have
-    closed by then). aot_eager: the FX pass :func:`schedule_collectives` on both graphs.
+    closed by then), with the patch that lets AOTAutograd's cache serve the graph
+    (:mod:`cp_compile.aot_cache`). aot_eager: the FX pass :func:`schedule_collectives`
+    on both graphs.
     """
     if name == "inductor":
-        return inner(gm, example_inputs, config_patches=inductor_overlap_config())
+        return inner(gm, example_inputs, config_patches={**inductor_overlap_config(), **aot_cache_config()})
     if name == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 

@@ -124,3 +124,7 @@ def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, 
     permute back and reduce-scatter the gradient shares.
     """
     return _GatherSeq.apply(x, dim, order, inverse, world, group_name)
+
+
+# Every function above that the rewrite emits as a graph node (see :mod:`cp_compile.aot_cache`).
+GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq)

@@ -24,7 +24,9 @@ class _Prop(FakeTensorProp):
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "get_attr":
             value = super().run_node(n)
-            return self._mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+            # A constant buffer has one fixed size: static, as AOTAutograd fakeifies buffers (a
+            # symbolic size would mint new symbols and sympy reasoning, ~0.5 s per graph).
+            return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
         return super().run_node(n)
 
 
