@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .ring.masking import additive_mask
+
 Tensor = torch.Tensor
 _c10d = torch.ops._c10d_functional
 
@@ -127,4 +129,5 @@ def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, 
 
 
 # Every function above that the rewrite emits as a graph node (see :mod:`cp_compile.aot_cache`).
-GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq)
+GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq,
+                   additive_mask)  # the last: an explicit attention mask for the ring op (passes/mask_rows.py)

@@ -30,7 +30,8 @@ def test_config_marks_exactly_the_graph_helpers_and_keeps_user_entries():
     with torch._inductor.config.patch(unsafe_marked_cacheable_functions=user):
         marked = aot_cache_config()["unsafe_marked_cacheable_functions"]
     assert marked.pop("my_pkg.my_fn") == "v1"
-    assert set(marked) == {f"cp_compile.graph_ops.{fn.__name__}" for fn in graph_ops.GRAPH_FUNCTIONS}
+    assert set(marked) == {f"{fn.__module__}.{fn.__name__}" for fn in graph_ops.GRAPH_FUNCTIONS}
+    assert "cp_compile.graph_ops.grad_scale" in marked and "cp_compile.ring.masking.additive_mask" in marked
     assert set(marked.values()) == {f"cp_compile:{source_hash()}"}
 
 
@@ -43,3 +44,17 @@ def test_helpers_bypass_the_cache_without_the_patch_and_pass_with_it():
         autograd_cache.check_node_safe(node)
     with torch._inductor.config.patch(aot_cache_config()):
         autograd_cache.check_node_safe(node)
+
+
+def test_every_function_a_rewritten_graph_calls_is_cacheable():
+    """The rewrite of a model with an explicit mask (the widest set of emitted helpers) passes
+    AOTAutograd's node check with the patch: no graph silently loses the cache."""
+    from cp_compile.inspect_graph import inspect
+    from test_backend_masks import MaskedAttention, _inputs
+
+    inputs = _inputs("causal_padding", 30)  # padded: gathers, masks and padding helpers too
+    report = inspect(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
+    with torch._inductor.config.patch(aot_cache_config()):
+        for node in report.after.graph.nodes:
+            if node.op == "call_function":
+                autograd_cache.check_node_safe(node)
