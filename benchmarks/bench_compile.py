@@ -17,7 +17,9 @@ cold run filled (Inductor's FX-graph and AOTAutograd caches). One Inductor compi
 worker (``TORCHINDUCTOR_COMPILE_THREADS=1``) everywhere. Also reported: the CPU
 seconds the process and its children (the C++ compiler) spent in the first step
 (user + system, less sensitive to other load on the machine than wall time). ring_cp's figure is its slowest rank. Each
-figure is the median over ``--repeats`` (each repeat with new cache dirs). And whether each
+figure is the median over ``--repeats`` (each repeat with new cache dirs; the warm
+figure over ``--warm-repeats`` launches per repeat: a warm compile takes seconds, so
+one launch is at the mercy of whatever else the 2 cores are doing). And whether each
 rank's compile hit, missed or bypassed the AOTAutograd cache (``torch._dynamo.utils.counters``).
 Target: ring_cp / inductor <= 1.3 (cold and warm).
 """
@@ -89,7 +91,9 @@ def main(argv=None) -> None:
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="cold runs, each on new cache dirs (default 1)")
+    p.add_argument("--warm-repeats", type=int, default=3,
+                   help="warm launches after each cold one, on its cache (default 3; a few seconds each)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
@@ -98,7 +102,7 @@ def main(argv=None) -> None:
         for backend in ("inductor", "ring_cp"):
             cache = os.path.join(common.CACHE, f"compile-{backend}-{uuid.uuid4().hex[:8]}")
             os.makedirs(cache)
-            for state in ("cold", "warm"):
+            for state in ("cold",) + ("warm",) * args.warm_repeats:
                 common.log(f"[{rep + 1}/{args.repeats}] {backend}, {state} cache")
                 r = one_run(backend, cache, args)
                 raw.setdefault(backend, {}).setdefault(state, []).append(r)
