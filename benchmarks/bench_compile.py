@@ -92,8 +92,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="cold runs, each on new cache dirs (default 1)")
-    p.add_argument("--warm-repeats", type=int, default=3,
-                   help="warm launches after each cold one, on its cache (default 3; a few seconds each)")
+    p.add_argument("--warm-repeats", type=int, default=2,
+                   help="warm launches after each cold one, on its cache (default 2; a few seconds each)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"

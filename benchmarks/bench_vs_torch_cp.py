@@ -149,7 +149,7 @@ def main(argv=None) -> None:
     p.add_argument("--worlds", type=common.int_list, default=[2])
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
     started = time.perf_counter()
     rows = []

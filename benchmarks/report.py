@@ -108,8 +108,10 @@ def check_e2e(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
                     f"(absolute RSS {_f(q['rss_cp_over_single'])}×)", ok, ""))
     if "step_compiled_over_eager_hand" in q:
         ok = q["step_compiled_over_eager_hand"] <= 1.0
+        why = "" if ok else (f"compiled step {_f(by['cp compiled']['step_s'])} s vs eager hand-inserted "
+                             f"{_f(by['cp eager (hand)']['step_s'])} s")
         out.append(("4. e2e compiled vs eager", "ring_cp (Inductor) / eager hand-inserted ring ≤ 1.0",
-                    f"{_f(q['step_compiled_over_eager_hand'])}×", ok, ""))
+                    f"{_f(q['step_compiled_over_eager_hand'])}×", ok, why))
     for x in r["rows"]:
         if "error" in x:
             out.append((f"4. e2e {x['mode']}", "runs", x["error"], False, ""))
@@ -189,8 +191,8 @@ def render(run: Optional[Rec] = None) -> str:
         ok = run["wall_seconds"] <= 20 * 60
         walls = ", ".join(f"{n} {recs[n]['wall_seconds']:.0f} s" for n in run["ran"] if n in recs)
         head.append(["run_all.py at defaults", "≤ 20 min on 2 cores", f"{run['wall_seconds'] / 60:.1f} min",
-                     _verdict(ok), "" if ok else f"per benchmark (latest records): {walls}; the cores were shared "
-                     "with other jobs during the run"])
+                     _verdict(ok), "" if ok else f"per benchmark (latest records): {walls}; machine load average "
+                     f"{run['machine'].get('load_avg_1min', '?')} at the end of the run"])
     parts += ["## Targets", "", _table(["benchmark", "target", "measured", "verdict", "measured reason (misses)"], head), ""]
     for name, title, fn in report_sections.SECTIONS:
         if name not in recs:
