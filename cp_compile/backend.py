@@ -23,12 +23,13 @@ from ._group import resolve_group
 from .aot_cache import aot_cache_config
 from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
 from .eager_guard import guard_eager_parameters
+from .local_guard import guard_local_shards
 from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
 from .passes.grad_share import share_parameter_grads
 from .passes.rewrite import rewrite_graph
 from .passes.repropagate import repropagate
-from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates
+from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
 from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
@@ -112,6 +113,9 @@ class RingCP:
             self.graphs.append(new_gm)
             self.fallbacks.extend(ctx.fallbacks)
             compiled = _hand_off(opts.inner, inner, new_gm, example_inputs)
+        if opts.outputs == "local" and opts.inputs == "full":
+            names = [user_name(n) for n in gm.graph.find_nodes(op="placeholder")]
+            compiled = guard_local_shards(compiled, ctx.local_outputs, names)
         return _guard_shares(compiled, gm, example_inputs, opts, group.size)
 
 

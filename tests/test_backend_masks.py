@@ -212,3 +212,23 @@ def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
     for rank, r in enumerate(ranks.run(2, _rank_masked, kind, 32, True, timeout=180)):
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["fallbacks"] == 0, (rank, r)
         assert r["graphs"] == 1, (rank, r)
+
+
+def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) -> None:
+    """A mask that varies by query costs O(S^2 / N) per rank: one warning per process (then
+    info), naming the attention's source line and the cheaper forms; key padding warns not."""
+    import logging
+
+    from cp_compile.inspect_graph import inspect
+    from cp_compile.passes import mask_rows
+
+    monkeypatch.setattr(mask_rows, "_warned", False)
+    caplog.set_level(logging.INFO, logger="cp_compile")
+    inputs = _inputs("causal_padding", 32)
+    inspect(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
+    for _ in range(2):
+        inspect(MaskedAttention("no_upper_bound"), (inputs["x"],), world_size=2)
+    about = [r for r in caplog.records if "explicit" in r.getMessage() and "query rows" in r.getMessage()]
+    assert [r.levelname for r in about] == ["WARNING", "INFO"], [(r.levelname, r.getMessage()) for r in about]
+    text = about[0].getMessage()
+    assert "test_backend_masks.py:" in text and "Cheaper: is_causal=True" in text and "(B, 1, 1, S)" in text, text

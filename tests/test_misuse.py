@@ -11,8 +11,10 @@ Here: ranks that pass different shapes or options (caught by the first call's
 metadata all-gather, the same error on every rank, the group still usable after);
 inputs on a device the group's backend cannot move; the backend with a mesh without
 a 'cp' dim or without a process group; float64 on the Triton kernel; the ``timeout``
-option's validation; and ``torch.compile``'s own ``fullgraph=`` / ``mode=`` /
-``options=`` combined with ours.
+option's validation; ``torch.compile``'s own ``fullgraph=`` / ``mode=`` /
+``options=`` combined with ours; ``outputs='local'`` across a graph break (refused:
+the next graph would take a shard for the whole sequence), and the layer code such a
+model recompiles under automatic dynamic shapes (``reshape(x.size())``).
 """
 
 from __future__ import annotations
@@ -193,3 +195,83 @@ def test_mode_and_options_with_a_ringcp_object(caplog):
         torch.compile(model, backend=cp_compile.RingCP(), options={"innr": "eager"})(*inputs)
     with pytest.raises(RuntimeError, match="Either mode or options can be specified"):
         torch.compile(model, backend="ring_cp", mode="max-autotune", options={"inner": "eager"})
+
+
+class _Attention(torch.nn.Module):
+    """x + causal self-attention over x (B, S, 16); nothing in it depends on the sequence length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)  # (B, 2, S, 8)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return x + out.transpose(1, 2).reshape(x.shape)
+
+
+class _TwoAttentions(torch.nn.Module):
+    """Two attention layers with a graph break between them: Dynamo compiles each layer's
+    forward as a graph of its own, and the hidden state crosses from one to the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_Attention() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            torch._dynamo.graph_break()
+        return x
+
+
+def _local_outputs_across_a_graph_break(guard: bool):
+    """outputs='local' on a model Dynamo splits between two attentions; ``guard=False`` runs it
+    with the guard switched off, to show what it prevents (returns the error, or the error of
+    the output against this rank's shard of the single-device output)."""
+    import contextlib
+    from unittest import mock
+
+    torch._dynamo.reset()
+    model, x = _TwoAttentions(), torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(1))  # c = 32
+    ref = cp_compile.shard(model(x).detach(), 1)
+    backend = cp_compile.RingCP(inner="aot_eager", outputs="local")
+    patch = mock.patch.object(backend_mod, "guard_local_shards", lambda compiled, *_: compiled)
+    with contextlib.nullcontext() if guard else patch:
+        try:
+            out = torch.compile(model, backend=backend)(x)
+        except Exception as e:  # noqa: BLE001 - the error is what is checked
+            return f"{type(e).__name__}: {e}"
+    if out.shape != ref.shape:
+        return f"shape {tuple(out.shape)}, this rank's shard is {tuple(ref.shape)}"
+    return ((out.detach() - ref).norm() / ref.norm()).item()
+
+
+def test_local_outputs_across_a_graph_break_are_refused(ranks):
+    """The second graph would take this rank's shard for the whole sequence and split it again
+    (unguarded: the output is silently wrong), so it is refused."""
+    for unguarded in ranks.run(2, _local_outputs_across_a_graph_break, False):
+        assert not isinstance(unguarded, float) or unguarded > 1e-2, unguarded
+    for msg in ranks.run(2, _local_outputs_across_a_graph_break, True):
+        assert isinstance(msg, str) and "outputs='local'" in msg and "graph break" in msg and "Fix:" in msg, msg
+
+
+def _dynamic_reshape_to_size():
+    """``y.reshape(x.shape)`` under dynamic shapes: Dynamo emits ``x.size()`` as a graph value."""
+    torch._dynamo.reset()
+    backend = cp_compile.RingCP(inner="aot_eager")
+    layer = _Attention()
+    compiled = torch.compile(layer, backend=backend, dynamic=True)
+    errs = []
+    for s in (64, 48):
+        x = torch.randn(2, s, 16, generator=torch.Generator().manual_seed(s))
+        errs.append(((compiled(x) - layer(x)).norm() / layer(x).norm()).item())
+    return max(errs), len(backend.fallbacks), len(backend.graphs)
+
+
+def test_reshape_to_a_sharded_size_under_dynamic_shapes(ranks):
+    """``x.size()`` of a sharded value is its global size (S along the sequence), and the view
+    makes it local again: exact, one graph for two lengths, nothing gathered."""
+    for err, fallbacks, graphs in ranks.run(2, _dynamic_reshape_to_size):
+        assert err <= 1e-5 and fallbacks == 0 and graphs == 1, (err, fallbacks, graphs)

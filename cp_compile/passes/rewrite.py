@@ -212,7 +212,10 @@ def _output(em: Emitter, node: fx.Node) -> None:
             val = em.call(graph_ops.grad_scale, val, 1.0 / ctx.world)
         return val
 
-    em.graph.output(_map_outputs(node.args[0], finish))
+    outs = node.args[0]
+    if ctx.outputs == "local" and isinstance(outs, (tuple, list)):  # Dynamo's flat output tuple
+        ctx.local_outputs = [i for i, o in enumerate(outs) if isinstance(em.layout(o), Sharded)]
+    em.graph.output(_map_outputs(outs, finish))
 
 
 def _map_outputs(outs: Any, fn) -> Any:

@@ -9,6 +9,7 @@
 | views | view/reshape (baked length rewritten to the local one), flatten, (un)squeeze, transpose/permute/movedim, expand, contiguous | Sharded(where d moves) |
 | split/join | chunk/split/unbind/cat/stack/repeat_interleave not along d; empty cat operands (HF's training KV cache) dropped | Sharded(d) |
 | getitem | ``...`` expanded; a slice covering all of d (``[:, 0:]``) | Sharded(d moved) |
+| size | ``x.size()`` / ``x.size(d)`` (dynamic shapes) | Global: the global sizes, S along d |
 | reductions | sum/mean over d | all-reduce -> Global (mean: / global count) |
 | attention | scaled_dot_product_attention on Sharded q/k/v | ring_attention -> Sharded |
 | losses | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
@@ -329,6 +330,23 @@ def _name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
+def size(em: Emitter, node: fx.Node):
+    """``x.size()`` / ``x.size(d)`` of a Sharded x: the *global* sizes (Dynamo emits them under
+    dynamic shapes, e.g. ``y.reshape(x.size())``), the sequence dim as S. Global: a tuple of
+    ints and graph values, which the view rule makes local again where it is a length."""
+    x, s = node.args[0], _sharded(em, node.args[0])
+    shape, idx = global_shape(x), em.index
+
+    def one(d: int) -> Any:
+        if em.ctx.seq_sym is None:
+            return shape[d]
+        local = em.method("size", em.env[x], d)
+        return idx.op(operator.mul, idx.op(operator.floordiv, local, idx.c()), idx.S()) if d == s.dim else local
+
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return (one(dim % len(shape)) if dim is not None else tuple(one(d) for d in range(len(shape)))), GLOBAL
+
+
 def _dims_args(node: fx.Node, n: int) -> Sequence[int]:
     rest = node.args[1:]
     if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
@@ -362,6 +380,7 @@ def _table() -> Dict[Any, Rule]:
     t.update({torch.chunk: along_dim, torch.split: along_dim, torch.unbind: along_dim})
     t.update({torch.cat: concat, torch.concat: concat, torch.stack: concat})
     t[operator.getitem] = getitem
+    t[("method", "size")] = size
     for m in ("sum", "mean"):
         t[("method", m)] = reduction
     t.update({torch.sum: reduction, torch.mean: reduction})
