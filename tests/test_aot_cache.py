@@ -1,6 +1,7 @@
 """The AOTAutograd-cache patch (cp_compile.aot_cache): what it marks, and that its key
 follows the source. The cache hit itself, and exactness from a warm cache shared by
-two ranks, are tested in test_backend.py::test_inductor_cold_and_warm_cache."""
+two ranks, are tested in
+test_schedule.py::test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits."""
 
 from __future__ import annotations
 

@@ -9,10 +9,7 @@ compiled with ring_cp and runs context-parallel. Tiny models, fp32, aot_eager.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import uuid
-from unittest import mock
 
 import pytest
 import torch
@@ -225,42 +222,6 @@ def test_graph_break_between_layers_stays_exact(ranks):
     for loss_err, grad_err, n_graphs in ranks.run(2, _graph_break):
         assert n_graphs >= 2  # the break really split the model
         assert loss_err <= TOL and grad_err <= TOL
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _inductor_twice(cache_dir: str):
-    """Compile with Inductor, then again from the warm cache both ranks share: the
-    gradient all-reduce lives in the traced graph, so a cache hit cannot drop it; the
-    second compile hits the AOTAutograd cache, and both ranks load the same entry
-    (the first of the two written), so one of them runs the other's artifact."""
-    from torch._dynamo.utils import counters
-
-    results = []
-    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir}):  # restored for later tests
-        for _ in range(2):
-            torch._dynamo.reset()
-            counters.clear()
-            ref_model, inputs = models.llama_factory()
-            cp_model, _ = models.llama_factory()
-            ref = ref_model(*inputs)
-            ref.backward()
-            out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="inductor"), fullgraph=True)(*inputs)
-            out.backward()
-            results.append((*_errors(ref_model, ref, cp_model, out), dict(counters["aot_autograd"])))
-    return results
-
-
-def test_inductor_cold_and_warm_cache(ranks):
-    cache = os.path.join(REPO, ".cache", f"inductor-shared-{uuid.uuid4().hex[:8]}")
-    try:
-        for per_run in ranks.run(2, _inductor_twice, cache, timeout=600):
-            for loss_err, grad_err, _ in per_run:
-                assert loss_err <= TOL and grad_err <= TOL, per_run
-            assert per_run[1][2].get("autograd_cache_hit") == 1, per_run  # warm: AOTAutograd skipped
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
