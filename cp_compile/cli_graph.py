@@ -126,7 +126,7 @@ def _report(args: argparse.Namespace, aot: bool = False):
 
 def cmd_dump(args: argparse.Namespace) -> int:
     """``cp-compile dump``; returns the exit code."""
-    from .inspect_format import format_dot, format_dump_text, format_html
+    from .inspect_format import format_dump_text
 
     if args.format == "svg" and shutil.which("dot") is None:
         print("cp-compile dump: --format svg needs the graphviz 'dot' program, which is not on PATH. "
@@ -156,6 +156,13 @@ def cmd_dump(args: argparse.Namespace) -> int:
     if args.format == "text" and args.out is None:
         sys.stdout.write(format_dump_text(report, args.target))
         return 0
+    return _write_dump_files(args, report)
+
+
+def _write_dump_files(args: argparse.Namespace, report: Any) -> int:
+    """Write the dump as ``--format`` files under ``--out`` (default ``cp-dump``), listing them."""
+    from .inspect_format import format_dot, format_dump_text, format_html
+
     out = args.out or "cp-dump"
     try:
         os.makedirs(out, exist_ok=True)
