@@ -27,6 +27,7 @@ from .local_guard import guard_local_shards
 from .passes.context import CPRewriteError, RewriteContext
 from .passes.find_attention import find_attention
 from .passes.grad_share import share_parameter_grads
+from .passes.nested import refuse_nested_tensors
 from .passes.rewrite import rewrite_graph
 from .passes.repropagate import repropagate
 from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
@@ -178,9 +179,10 @@ def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
 def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
     """Run the passes in order on Dynamo's graph; None when it has no attention.
 
-    find_attention -> choose_seq_inputs (+ resolve_candidates by trial) -> rewrite_graph
+    refuse_nested_tensors -> find_attention -> choose_seq_inputs (+ resolve_candidates by trial) -> rewrite_graph
     -> repropagate. Shared by the backend and by ``cp-compile dump/explain``.
     """
+    refuse_nested_tensors(gm)
     find_attention(gm, ctx)
     if not ctx.attention:
         return None

@@ -14,7 +14,8 @@ a 'cp' dim or without a process group; float64 on the Triton kernel; the ``timeo
 option's validation; ``torch.compile``'s own ``fullgraph=`` / ``mode=`` /
 ``options=`` combined with ours; ``outputs='local'`` across a graph break (refused:
 the next graph would take a shard for the whole sequence), and the layer code such a
-model recompiles under automatic dynamic shapes (``reshape(x.size())``).
+model recompiles under automatic dynamic shapes (``reshape(x.size())``); a nested
+(jagged) batch (refused: its attention would run eagerly, unsplit).
 """
 
 from __future__ import annotations
@@ -275,3 +276,39 @@ def test_reshape_to_a_sharded_size_under_dynamic_shapes(ranks):
     makes it local again: exact, one graph for two lengths, nothing gathered."""
     for err, fallbacks, graphs in ranks.run(2, _dynamic_reshape_to_size):
         assert err <= 1e-5 and fallbacks == 0 and graphs == 1, (err, fallbacks, graphs)
+
+
+class _JaggedAttention(torch.nn.Module):
+    """Self-attention over a jagged batch x (B, j, 16): the torch.nested way to skip padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (p(x).unflatten(-1, (2, 8)).transpose(1, 2) for p in (self.q, self.k, self.v))  # (B, 2, j, 8)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).flatten(-2)
+
+
+def _jagged_batch():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _JaggedAttention()
+    x = torch.nested.nested_tensor([torch.randn(5, 16), torch.randn(7, 16)], layout=torch.jagged)
+    eager = model(x)  # torch runs it (the math kernel): only ring_cp has something to refuse
+    try:
+        torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"))(x)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps backend errors
+        return eager.is_nested, str(e)
+    return eager.is_nested, None
+
+
+def test_nested_jagged_inputs_are_refused_naming_the_input_and_the_fix(ranks):
+    """Dynamo cannot trace attention on jagged tensors and would run it eagerly, unsplit on every
+    rank; ring_cp sees the jagged projections and refuses them."""
+    for eager_ok, msg in ranks.run(2, _jagged_batch):
+        assert eager_ok, "eager attention on the jagged batch failed: the check below would test nothing"
+        assert msg is not None, "a jagged batch compiled silently (attention unsplit on every rank)"
+        assert "input 'x' is a nested (jagged) tensor" in msg and "test_misuse.py:" in msg, msg
+        assert "Fix: pad the batch to a dense (B, S) tensor" in msg, msg

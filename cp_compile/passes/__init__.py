@@ -1,5 +1,7 @@
 """FX graph passes of the ``ring_cp`` backend, run in this order by ``backend.RingCP``:
 
+0. :mod:`.nested` — refuses nested (jagged) tensors, which Dynamo cannot trace
+   attention on (it would run unsplit, outside the graph);
 1. :mod:`.find_attention` — the attention nodes and the sequence length S; a mask is
    split into what the ring op does by position (causal, full, a sliding window) and
    explicit terms (:mod:`.masks`, :mod:`.mask_index`), whose rows the attention rule
