@@ -34,6 +34,11 @@ def source_line(node: fx.Node) -> str:
     return f"{where}: {code}" if code else where
 
 
+def fake_value(node: fx.Node) -> Any:
+    """Dynamo's fake value of ``node`` (``example_value``; ``val`` on graphs traced by other means)."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def global_shape(node: fx.Node) -> Optional[Tuple[int, ...]]:
     """The global (single-device) shape of a tensor-valued node, from Dynamo's fake value.
 
@@ -41,7 +46,7 @@ def global_shape(node: fx.Node) -> Optional[Tuple[int, ...]]:
     layout decisions made from shapes are structural, and sizes that must stay
     symbolic are emitted from graph values (see seqindex.py).
     """
-    val = node.meta.get("example_value", node.meta.get("val"))
+    val = fake_value(node)
     if not isinstance(val, torch.Tensor):
         return None
     return tuple(d if isinstance(d, int) else hint_int(d) for d in val.shape)

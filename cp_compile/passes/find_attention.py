@@ -30,6 +30,11 @@ def sdpa_arg(node: fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def qkv_args(node: fx.Node) -> tuple:
+    """(query, key, value) of an SDPA node."""
+    return tuple(sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+
+
 def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
     where = source_line(node)
     dropout = sdpa_arg(node, 4, "dropout_p", 0.0)
@@ -46,7 +51,7 @@ def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
             f"cp_compile: scaled_dot_product_attention with dropout_p={dropout} at {where} is not supported. "
             "Fix: set attention dropout to 0 (or model.eval())."
         )
-    shapes = [global_shape(sdpa_arg(node, i, n)) for i, n in enumerate(("query", "key", "value"))]
+    shapes = [global_shape(x) for x in qkv_args(node)]
     seq = sdpa_arg(node, 0, "query").meta["example_value"].shape[2]
     if isinstance(seq, torch.SymInt):
         ctx.seq_sym = seq

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.fx as fx
 
-from .context import global_shape, log, source_line
+from .context import fake_value, global_shape, log, source_line
 from .mask_index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
@@ -166,7 +166,7 @@ def _same(node: fx.Node, ev) -> Abstract:
 
 
 def _dtype(node: fx.Node) -> Optional[torch.dtype]:
-    val = node.meta.get("example_value", node.meta.get("val"))
+    val = fake_value(node)
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
@@ -239,4 +239,4 @@ _HANDLERS = {
     **{("method", m): _compare for m in ("le", "lt", "ge", "gt", "eq", "ne")},
     operator.and_: _and, torch.logical_and: _and, ("method", "__and__"): _and, ("method", "logical_and"): _and,
 }
-_AND_TARGETS = {operator.and_, torch.logical_and, "__and__", "logical_and"}
+_AND_TARGETS = {k[1] if isinstance(k, tuple) else k for k, h in _HANDLERS.items() if h is _and}  # fx targets

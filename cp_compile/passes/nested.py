@@ -19,12 +19,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .context import CPRewriteError, source_line
+from .context import CPRewriteError, fake_value, source_line
 from .seq_inputs import user_name
 
 
 def _is_nested(node: fx.Node) -> bool:
-    val = node.meta.get("example_value", node.meta.get("val"))
+    val = fake_value(node)
     return isinstance(val, torch.Tensor) and val.is_nested
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .context import CPRewriteError, RewriteContext, global_shape, log
-from .find_attention import is_sdpa, sdpa_arg
+from .find_attention import is_sdpa, qkv_args, sdpa_arg
 
 
 def _source_name(node: fx.Node) -> str:
@@ -120,13 +120,9 @@ def _dataflow(gm: fx.GraphModule) -> nx.DiGraph:
     for n in gm.graph.nodes:
         g.add_node(n)
         for user in n.users:
-            if not (is_sdpa(user) and n is sdpa_arg(user, 3, "attn_mask") and n not in _qkv(user)):
+            if not (is_sdpa(user) and n is sdpa_arg(user, 3, "attn_mask") and n not in qkv_args(user)):
                 g.add_edge(n, user)
     return g
-
-
-def _qkv(node: fx.Node) -> tuple:
-    return tuple(sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
 
 
 def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
@@ -144,7 +140,7 @@ def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[st
         ctx.shard_inputs = {by_user[k].name: dim % len(global_shape(by_user[k])) for k, dim in ctx.seq_inputs.items()}
         return gm
     flow = _dataflow(gm)
-    qkv = {n for a in ctx.attention for n in _qkv(a)}
+    qkv = {n for a in ctx.attention for n in qkv_args(a)}
     feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv)) if qkv else set()
     for n in placeholders:
         shape = global_shape(n)
