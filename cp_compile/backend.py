@@ -13,7 +13,7 @@ unchanged; a graph without attention does too, except that under
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
@@ -36,6 +36,9 @@ from .schedule import inductor_overlap_config, schedule_collectives
 log = logging.getLogger("cp_compile")
 
 INNER = ("inductor", "aot_eager", "eager")
+# BackendOptions fields that RewriteContext takes as they are (mesh becomes the group; timeout,
+# inner go to the ring ops and the hand-off).
+_REWRITE_OPTIONS = ("load_balance", "rotate", "kernel", "seq_inputs", "inputs", "outputs", "grad_sync", "strict")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,18 @@ class BackendOptions:
         check_timeout(self.timeout)
         if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
             raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
+
+    def rewrite_options(self) -> Dict[str, Any]:
+        """The options the graph rewrite reads (:class:`~.passes.context.RewriteContext` fields).
+
+        Read field by field, never with ``dataclasses.asdict``: that deep-copies every value,
+        and a ``ProcessGroup`` in ``mesh`` cannot be copied (``TypeError: cannot pickle
+        'ProcessGroup'``). ``seq_inputs`` is copied, so the rewrite cannot change the user's dict.
+        """
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _REWRITE_OPTIONS}
+        if isinstance(values["seq_inputs"], dict):
+            values["seq_inputs"] = dict(values["seq_inputs"])
+        return values
 
 
 def _inner_compiler(name: str) -> Callable:
@@ -99,21 +114,21 @@ class RingCP:
         if group.size == 1:
             log.info("cp_compile: CP group of size 1 (or no process group): compiling the graph unchanged")
             return inner(gm, example_inputs)
-        ctx = RewriteContext(group=group, **{k: v for k, v in asdict(opts).items()
-                                            if k in ("load_balance", "rotate", "kernel", "seq_inputs",
-                                                     "inputs", "outputs", "grad_sync", "strict")})
+        ctx = RewriteContext(group=group, **opts.rewrite_options())
         new_gm = rewrite_for_cp(gm, example_inputs, ctx)
+        # Recorded only once the inner compiler returns: Dynamo may abandon a compile and
+        # restart it (e.g. TensorifyScalarRestartAnalysis under dynamic=True), calling us twice.
         if new_gm is None:
-            self.no_attention.append(gm)
             shared = share_parameter_grads(gm, example_inputs, ctx)
             if shared is None:
                 log.info("cp_compile: no attention in this graph: compiling it unchanged")
             compiled = inner(shared if shared is not None else gm, example_inputs)
+            self.no_attention.append(gm)
         else:
             _set_ring_timeout(new_gm, opts.timeout)
+            compiled = _hand_off(opts.inner, inner, new_gm, example_inputs)
             self.graphs.append(new_gm)
             self.fallbacks.extend(ctx.fallbacks)
-            compiled = _hand_off(opts.inner, inner, new_gm, example_inputs)
         if opts.outputs == "local" and opts.inputs == "full":
             names = [user_name(n) for n in gm.graph.find_nodes(op="placeholder")]
             compiled = guard_local_shards(compiled, ctx.local_outputs, names)

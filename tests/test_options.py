@@ -1,0 +1,172 @@
+"""Every value the README documents for every ``ring_cp`` option compiles and runs on 2 ranks.
+
+One row of :data:`VALUES` per (option, value): the example Llama is compiled with
+``RingCP(inner="aot_eager", option=value)`` (or the value's own setup, e.g. shards as
+inputs for ``inputs="local"``), run forward and backward, and its loss and every
+parameter gradient compared with one process on the full sequence. ``test_the_table_
+covers_every_option`` keeps the table honest: every ``BackendOptions`` field and every
+choice the code accepts has a row, so a new option or value cannot ship untested.
+Values exercised by a heavier test elsewhere name that test instead of running again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import models  # noqa: E402
+
+import cp_compile  # noqa: E402
+from cp_compile.backend import INNER, BackendOptions  # noqa: E402
+from cp_compile.config import LOAD_BALANCES, ROTATES  # noqa: E402
+
+TOL = 1e-5
+
+# (option, value label) -> None: run here; str: "test_file.py::test_name" that runs it.
+VALUES = {
+    ("mesh", "None"): None,
+    ("mesh", "ProcessGroup WORLD"): None,
+    ("mesh", "ProcessGroup new_group"): None,
+    ("mesh", "DeviceMesh 1-D"): None,
+    ("mesh", "DeviceMesh with a 'cp' dim"): "test_compose.py::test_dp_x_cp_equals_one_process_on_the_global_batch",
+    ("load_balance", "zigzag"): None,
+    ("load_balance", "striped"): None,
+    ("load_balance", "contiguous"): None,
+    ("rotate", "p2p"): None,
+    ("rotate", "allgather"): None,
+    ("kernel", "auto"): None,
+    ("kernel", "aten"): None,
+    ("kernel", "triton"): None,
+    ("kernel", "reference"): None,
+    ("seq_inputs", "auto"): None,
+    ("seq_inputs", "dict"): None,
+    ("inputs", "full"): None,
+    ("inputs", "local"): None,
+    ("outputs", "full"): None,
+    ("outputs", "local"): None,
+    ("grad_sync", "allreduce"): None,
+    ("grad_sync", "none"): None,
+    ("strict", "False"): None,
+    ("strict", "True"): None,
+    ("inner", "inductor"): "test_schedule.py::test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits",
+    ("inner", "aot_eager"): None,
+    ("inner", "eager"): None,
+    ("timeout", "None"): None,
+    ("timeout", "seconds"): None,
+}
+
+
+def _mesh(label: str):
+    if label == "None":
+        return None
+    if label == "ProcessGroup WORLD":
+        return dist.group.WORLD
+    if label == "ProcessGroup new_group":
+        return dist.new_group(list(range(dist.get_world_size())))  # every rank calls it, in the same order
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _value(option: str, label: str):
+    """The Python value a row's label stands for (``mesh`` values need the process group)."""
+    if option == "mesh":
+        return _mesh(label)
+    if option == "seq_inputs" and label == "dict":
+        return {"input_ids": 1, "labels": 1}  # the Llama's forward(input_ids, labels)
+    if option == "timeout":
+        return None if label == "None" else 60.0
+    return {"False": False, "True": True}.get(label, label)
+
+
+def _run_with(option: str, label: str):
+    """On every rank: (loss rel err, max grad rel err, ring ops in the graph) with option=value."""
+    torch._dynamo.reset()
+    ref_model, (ids, labels) = models.llama_factory()
+    cp_model, _ = models.llama_factory()
+    ref = ref_model(ids, labels)
+    ref.backward()
+    options = {"inner": "aot_eager", option: _value(option, label)}
+    backend = cp_compile.RingCP(**options)
+    dynamic = None
+    if option == "inputs" and label == "local":  # the data loader hands each rank its shard
+        ids, labels, dynamic = cp_compile.shard(ids, 1), cp_compile.shard(labels, 1), True
+    out = torch.compile(cp_model, backend=backend, dynamic=dynamic)(ids, labels)
+    out.backward()
+    if option == "grad_sync" and label == "none":  # each rank holds its share: DDP/FSDP would sum them
+        for p in cp_model.parameters():
+            dist.all_reduce(p.grad)
+    grads = [_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())]
+    rings = sum("ring_attention_fwd" in str(n.target) for gm in backend.graphs for n in gm.graph.nodes)
+    return _rel(out.detach(), ref.detach()), max(grads), rings
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+HERE = [key for key, elsewhere in VALUES.items() if elsewhere is None]
+
+
+@pytest.mark.parametrize("option,label", HERE, ids=[f"{o}={v}" for o, v in HERE])
+def test_option_value_compiles_runs_and_is_exact(ranks, option, label):
+    for rank, (loss_err, grad_err, rings) in enumerate(ranks.run(2, _run_with, option, label, timeout=240)):
+        assert loss_err <= TOL and grad_err <= TOL, (rank, option, label, loss_err, grad_err)
+        assert rings == 2, (rank, option, label, rings)  # both layers' attention became the ring
+
+
+def _decorated_step(label: str):
+    """``@context_parallel(mesh=<label>, shard=...)`` around a whole training step."""
+    torch._dynamo.reset()
+    ref_model, (ids, labels) = models.llama_factory()
+    cp_model, _ = models.llama_factory()
+    ref = ref_model(ids, labels)
+    ref.backward()
+
+    @cp_compile.context_parallel(mesh=_mesh(label), shard={"input_ids": 1, "labels": 1}, inner="aot_eager")
+    def step(model, input_ids, labels):
+        loss = model(input_ids, labels)
+        loss.backward()
+        return loss
+
+    out = step(cp_model, ids, labels)
+    grads = [_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())]
+    return _rel(out.detach(), ref.detach()), max(grads)
+
+
+@pytest.mark.parametrize("label", ["ProcessGroup WORLD", "ProcessGroup new_group", "DeviceMesh 1-D"])
+def test_decorator_takes_every_mesh_form(ranks, label):
+    for rank, (loss_err, grad_err) in enumerate(ranks.run(2, _decorated_step, label, timeout=240)):
+        assert loss_err <= TOL and grad_err <= TOL, (rank, label, loss_err, grad_err)
+
+
+def test_the_table_covers_every_option():
+    """Every BackendOptions field has rows; every choice the validators accept has one."""
+    fields = {f.name for f in dataclasses.fields(BackendOptions)}
+    assert {option for option, _ in VALUES} == fields
+    labels = {option: {label for o, label in VALUES if o == option} for option in fields}
+    assert labels["load_balance"] == set(LOAD_BALANCES)
+    assert labels["rotate"] == set(ROTATES)
+    assert labels["inner"] == set(INNER)
+    assert labels["kernel"] == {"auto", "aten", "triton", "reference"}
+    for option in ("inputs", "outputs", "grad_sync"):  # validated choices: the field's default is one
+        default = next(f.default for f in dataclasses.fields(BackendOptions) if f.name == option)
+        assert default in labels[option]
+        with pytest.raises(ValueError):
+            BackendOptions(**{option: "not-a-value"})
+
+
+def test_rows_run_elsewhere_name_existing_tests():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for key, where in VALUES.items():
+        if where is None:
+            continue
+        path, name = where.split("::")
+        with open(os.path.join(tests_dir, path)) as f:
+            assert f"def {name}(" in f.read(), (key, where)
