@@ -1,10 +1,12 @@
 """``cp-compile dump`` and ``cp-compile explain``: what the ring_cp backend does to a model's graph.
 
-Both run in one process with no process group: the model is traced by Dynamo once
-and rewritten for a synthetic CP group of ``--world-size`` ranks (rank 0 shown); the
-logic is in :mod:`cp_compile.inspect_graph`. Exit codes: 0 ok; 2 bad TARGET or
-arguments; 1 the model cannot be traced as one graph or rewritten (the message names
-the fix).
+Both run in one process with no process group. TARGET (``path/to/file.py:factory``) is
+a function returning ``(model, args)``, ``(model, kwargs)`` or ``(model, args, kwargs)``
+(:mod:`cp_compile.targets`); the model is called as ``model(*args, **kwargs)``, traced by
+Dynamo once and rewritten for a synthetic CP group of ``--world-size`` ranks (rank 0
+shown). The logic is in :mod:`cp_compile.inspect_graph` (per-rank costs:
+:mod:`cp_compile.inspect_cost`). Exit codes: 0 ok; 2 bad TARGET or arguments; 1 the
+model cannot be traced as one graph or rewritten (the message names the fix).
 
 Register in ``cp_compile/cli.py``::
 
@@ -23,15 +25,23 @@ import sys
 from typing import Any
 
 from .config import LOAD_BALANCES
+from .targets import RETURN_HELP
 
-TARGET_HELP = ("path/to/file.py:factory, a function returning (model, example_inputs); "
-               "the model is called as model(*example_inputs)")
+TARGET_HELP = (f"path/to/file.py:factory, a function returning {RETURN_HELP}; the model is called as "
+               "model(*args, **kwargs)")
+FACTORY_EPILOG = """The factory (TARGET) returns the model and its example inputs, as torch.export takes them:
+  return model, (input_ids, labels)                     # model(input_ids, labels)
+  return model, {"input_ids": ids, "labels": ids, "use_cache": False}   # keywords, as HF models are called
+  return model, (input_ids,), {"labels": labels}        # model(input_ids, labels=labels)
+args may also be a single tensor: return model, input_ids."""
 
-DUMP_EXAMPLES = """examples:
+DUMP_EXAMPLES = f"""examples:
   cp-compile dump examples/models.py:llama_factory
   cp-compile dump examples/models.py:llama_factory --world-size 4 --seq-len 128 --load-balance striped
   cp-compile dump examples/models.py:llama_factory --format html --out /tmp/cp-dump
   cp-compile dump examples/models.py:llama_factory --format dot --out /tmp/cp-dump   # then: dot -Tsvg ...
+
+{FACTORY_EPILOG}
 
 Nodes marked * were inserted or rewritten by ring_cp; kinds: ring_attention, shard (indexed by
 this rank's positions), gather (a fallback to the full sequence), grad_all_reduce(_bucket),
@@ -39,13 +49,17 @@ all_reduce_sum, grad_scale. Shapes of the rewritten graph read global -> local (
 Exit codes: 0 ok, 2 bad TARGET or arguments, 1 the model cannot be traced or rewritten.
 """
 
-EXPLAIN_EXAMPLES = """examples:
+EXPLAIN_EXAMPLES = f"""examples:
   cp-compile explain examples/models.py:llama_factory
   cp-compile explain examples/models.py:llama_factory --world-size 4 --seq-len 4096
 
-Lists the attention nodes found, the inputs split by sequence, every fallback (an op run on
-the gathered full sequence) with its source line and bytes, the collectives of one training
-step with bytes per rank, and a crude activation-memory estimate.
+{FACTORY_EPILOG}
+
+Lists the attention nodes found, each with the mask its ring op is given (causal / window by
+position, or an explicit attn_mask with its per-rank shape and bytes), the inputs split by
+sequence, every fallback (an op run on the gathered full sequence) with its source line and
+bytes, the collectives of one training step with bytes per rank, and a crude activation-memory
+estimate. Everything per rank is read off the rewritten graph the ring_cp backend runs.
 Exit codes: 0 ok, 2 bad TARGET or arguments, 1 the model cannot be traced or rewritten.
 """
 
@@ -68,6 +82,7 @@ _seq_len = _int_at_least("--seq-len", 1)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    """The arguments dump and explain share: TARGET, --world-size, --seq-len, --load-balance."""
     p.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     p.add_argument("--world-size", type=_world_size, default=2, metavar="N", help="ranks in the CP group (default 2)")
     p.add_argument("--seq-len", type=_seq_len, default=None, metavar="S",
@@ -76,6 +91,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_dump_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``dump`` on ``subparsers`` (argparse's add_subparsers result)."""
     p = subparsers.add_parser("dump", help="the graph before and after the ring_cp rewrite",
                               description="Print or write the Dynamo graph of TARGET before and after the ring_cp "
                                           "rewrite, one node per line: name, kind, target, global -> local shape, "
@@ -97,6 +113,7 @@ def add_dump_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_explain_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``explain`` on ``subparsers`` (argparse's add_subparsers result)."""
     p = subparsers.add_parser("explain", help="what ring_cp does to a model: attention, sharding, fallbacks, "
                                                "communication, memory",
                               description="A readable summary of the ring_cp rewrite of TARGET's graph.",
@@ -113,12 +130,13 @@ def _report(args: argparse.Namespace, aot: bool = False):
     from .passes.context import CPRewriteError
 
     try:
-        model, example_inputs = load_target(args.target, seq_len=args.seq_len)
+        model, example_args, example_kwargs = load_target(args.target, seq_len=args.seq_len)
     except TargetError as e:
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 2
     try:
-        return inspect(model, example_inputs, args.world_size, args.load_balance, aot=aot), 0
+        return inspect(model, example_args, args.world_size, args.load_balance, aot=aot,
+                       example_kwargs=example_kwargs), 0
     except (CPRewriteError, InspectError) as e:
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 1

@@ -7,17 +7,32 @@ from typing import List
 
 import torch.fx as fx
 
-from .inspect_graph import NodeRow, Report, format_shape, short_source
+from .inspect_graph import NodeRow, Report, RingMask, format_shape, short_source
 
 # ---------------------------------------------------------------------------------- text output
 def human(n: int) -> str:
+    """``1,024 B (1.0 KiB)``: bytes with a binary unit once they reach one."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n:,} B ({n / size:.1f} {unit})"
     return f"{n:,} B"
 
 
+def describe_mask(m: RingMask) -> str:
+    """What a ring op masks by position (causal flag, window) and the explicit attn_mask it is given,
+    with that tensor's per-rank shape, dtype and bytes."""
+    position = ("causal" + (f", window {m.window}" if m.window > 0 else "") + " by position") if m.causal else ""
+    if m.mask is None:
+        return f"{position} (no mask tensor)" if position else "none (full attention, no mask tensor)"
+    rows = "this rank's query rows over all keys, O(S^2 / N)" if m.per_query else "one row for every query, O(B·S)"
+    shared = f"; the same tensor as {m.shared_with}'s" if m.shared_with else ""
+    explicit = f"explicit attn_mask {m.shape} {m.dtype} per rank, {human(m.bytes)}: {rows}{shared}"
+    return f"{position}, and {explicit}" if position else explicit
+
+
 def format_explain(r: Report, target: str = "") -> str:
+    """The ``explain`` summary: attention (each with the mask its ring op applies), sharded inputs,
+    fallbacks, collectives per step and the activation-memory estimate."""
     ctx = r.ctx
     head = f"cp-compile explain {target}".rstrip()
     lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank 0 shown), load balance {r.load_balance}"]
@@ -29,9 +44,8 @@ def format_explain(r: Report, target: str = "") -> str:
                  + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))
     lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
     w = max(len(n) for n, _ in r.attention)
-    masks = {node.name: kind.describe() for node, kind in ctx.masks.items()}
-    lines += [f"  {n:<{w}}  {short_source(s)}" + (f"\n  {'':<{w}}  mask: {masks[n]}" if n in masks else "")
-              for n, s in r.attention]
+    for (n, s), mask in zip(r.attention, r.masks):  # what each ring op is given, read off the rewritten graph
+        lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(mask)}"]
     lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or
                                        "none (every input stays whole; values are indexed by position)"))
     if r.fallbacks:
@@ -61,6 +75,7 @@ def format_explain(r: Report, target: str = "") -> str:
 
 
 def format_rows(rows: List[NodeRow], after: bool) -> List[str]:
+    """One aligned text line per row: mark, name, kind, target, shape(s), source line."""
     cols = []
     for r in rows:
         shape = (f"{format_shape(r.global_shape)} -> {format_shape(r.local_shape)}" if after
@@ -73,6 +88,7 @@ def format_rows(rows: List[NodeRow], after: bool) -> List[str]:
 
 
 def format_dump_text(r: Report, target: str = "") -> str:
+    """The ``dump`` text listing: the Dynamo graph, then the rewritten one (global -> local shapes)."""
     lines = [f"# cp-compile dump {target}: world size {r.world_size}, load balance {r.load_balance}".replace("  ", " "),
              "# columns: name  kind  target  shape  source line;  * = inserted or rewritten by ring_cp",
              "", f"== before: the Dynamo graph ({len(r.before_rows)} nodes), global shapes"]
@@ -89,10 +105,12 @@ def format_dump_text(r: Report, target: str = "") -> str:
 
 # ---------------------------------------------------------------------------------- dot / html
 def _dot_escape(s: str) -> str:
+    """``s`` inside a double-quoted Graphviz string."""
     return s.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def format_dot(gm: fx.GraphModule, rows: List[NodeRow], title: str, after: bool) -> str:
+    """``gm`` as a Graphviz digraph, nodes inserted or rewritten by ring_cp filled by kind."""
     by_name = {r.name: r for r in rows}
     out = [f'digraph "{_dot_escape(title)}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace", fontsize=9];',
            f'  label="{_dot_escape(title)}"; labelloc=t;']
@@ -133,6 +151,7 @@ pre { background: #f6f6f6; padding: 1em; }
 
 
 def format_html(r: Report, target: str = "") -> str:
+    """One self-contained HTML page: the explain summary and both graphs as tables."""
     import html as H
 
     def table(rows: List[NodeRow], title: str, after: bool) -> str:

@@ -11,22 +11,12 @@ The passes run *inside* the capture callback: Dynamo drops the placeholders'
 ``grapharg`` metadata (which names the forward() argument behind each input) once
 the backend returns, and ``choose_seq_inputs`` needs it.
 
-Byte counts in :class:`Report` are per rank and per training step (one forward and
-one backward of the graph), for ``rotate="p2p"``:
-
-* ring attention, per attention node, with K/V block = 2·B·H_kv·c·D·elem_size from
-  the local shapes of the ring op's k and v: forward (N-1) K/V hops; backward (N-1)
-  K/V hops plus N hops of the fp32 dK/dV accumulators (2·B·H_kv·c·D·4 bytes);
-* gradient all-reduces: the payload, i.e. the parameter bytes (a ring all-reduce
-  moves about 2(N-1)/N of it per rank);
-* forward all-reduces (global loss / reductions), whose backward is an all-reduce too;
-* gathers (fallbacks): the bytes of the gathered full-sequence value, all-gathered in
-  the forward and reduce-scattered in the backward.
+What the rewritten graph costs each rank (collectives, activation bytes, the masks the
+ring ops receive) is read off its nodes by :mod:`cp_compile.inspect_cost`.
 """
 
 from __future__ import annotations
 
-import operator
 import os
 import re
 from dataclasses import dataclass
@@ -35,14 +25,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from . import graph_ops
 from ._group import CPGroup
 from .config import LOAD_BALANCES, check_choice
+from .inspect_cost import KINDS, Collective, RingMask, activation_bytes, collectives, nbytes, node_kind  # noqa: F401
+from .inspect_cost import ring_masks
+from .inspect_cost import to_int as _int
 from .passes.context import RewriteContext, source_line
 from .passes.seq_inputs import user_name
-
-KINDS = ("ring_attention", "shard", "grad_all_reduce", "grad_all_reduce_bucket", "all_reduce_sum", "gather",
-         "grad_scale")
 
 
 class InspectError(RuntimeError):
@@ -65,11 +54,14 @@ class NodeRow:
 
     @property
     def marked(self) -> bool:
+        """Inserted or rewritten by ring_cp (dump marks it with *)."""
         return bool(self.status)
 
 
 @dataclass
 class FallbackInfo:
+    """One op the rewrite runs on the gathered full sequence, and the bytes its gathers bring."""
+
     node: str
     source: str
     message: str
@@ -77,16 +69,9 @@ class FallbackInfo:
 
 
 @dataclass
-class Collective:
-    phase: str  # "forward" | "backward"
-    what: str
-    count: int
-    bytes: int
-    detail: str = ""
-
-
-@dataclass
 class Report:
+    """Everything dump and explain show about one rewrite (per-rank figures for rank 0)."""
+
     world_size: int
     load_balance: str
     before: fx.GraphModule
@@ -96,6 +81,7 @@ class Report:
     before_rows: List[NodeRow]
     after_rows: List[NodeRow]
     attention: List[Tuple[str, str]]  # (node name, source line) of each SDPA in the original graph
+    masks: List[RingMask]  # per attention (same order): the causal/window/attn_mask its ring op is given
     shard_inputs: Dict[str, int]  # forward() argument -> sequence dim
     fallbacks: List[FallbackInfo]
     collectives: List[Collective]
@@ -106,12 +92,15 @@ class Report:
 
     @property
     def rewritten(self) -> bool:
+        """Whether the graph had attention (else the backend compiles it unchanged)."""
         return self.after is not self.before
 
 
 def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int = 2,
-            load_balance: str = "zigzag", aot: bool = False, **opts: Any) -> Report:
-    """Trace ``model(*example_inputs)`` with Dynamo and rewrite it for a CP group of ``world_size``.
+            load_balance: str = "zigzag", aot: bool = False, example_kwargs: Optional[Dict[str, Any]] = None,
+            **opts: Any) -> Report:
+    """Trace ``model(*example_inputs, **example_kwargs)`` with Dynamo and rewrite it for a CP group
+    of ``world_size`` (the forms a ``cp-compile`` factory returns: :func:`cp_compile.targets.example_inputs`).
 
     ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs, inputs,
     outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
@@ -140,7 +129,8 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
 
     torch._dynamo.reset()
     try:
-        torch.compile(model, backend=capture, fullgraph=True, dynamic=False)(*example_inputs)
+        compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
+        compiled(*example_inputs, **(example_kwargs or {}))
     except Exception as e:
         if "error" in state:
             raise state["error"]
@@ -192,6 +182,7 @@ def _run_passes(gm: fx.GraphModule, ex: List[Any], ctx: RewriteContext) -> Dict[
 
 # ---------------------------------------------------------------------------------- helpers
 def _shape(val: Any) -> Any:
+    """A tensor's shape as ints, a list of shapes for a tuple of tensors, else None."""
     if isinstance(val, torch.Tensor):
         return tuple(_int(d) for d in val.shape)
     if isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
@@ -199,20 +190,8 @@ def _shape(val: Any) -> Any:
     return None
 
 
-def _int(d: Any) -> Any:
-    try:
-        return int(d)
-    except Exception:
-        return str(d)
-
-
-def _nbytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return _int(val.numel()) * val.element_size() if isinstance(_int(val.numel()), int) else 0
-    return 0
-
-
 def format_shape(shape: Any) -> str:
+    """``(2, 64)``, ``[(2, 64), (2,)]`` for several outputs, ``-`` for none."""
     if shape is None:
         return "-"
     if isinstance(shape, list):
@@ -221,6 +200,7 @@ def format_shape(shape: Any) -> str:
 
 
 def target_name(node: fx.Node, input_names: Optional[Dict[str, str]] = None) -> str:
+    """What a node calls, as dump shows it (a placeholder: the forward() argument behind it)."""
     if node.op == "placeholder":
         return (input_names or {}).get(node.name, str(node.target))
     if node.op == "call_method":
@@ -233,20 +213,6 @@ def target_name(node: fx.Node, input_names: Optional[Dict[str, str]] = None) -> 
     if node.op == "output":
         return "output"
     return str(node.target)
-
-
-def _kind(node: fx.Node) -> str:
-    if node.op == "call_function":
-        t = node.target
-        if t is torch.ops.cp_compile.ring_attention_fwd.default:
-            return "ring_attention"
-        for fn in (graph_ops.grad_all_reduce, graph_ops.grad_all_reduce_bucket, graph_ops.all_reduce_sum,
-                   graph_ops.grad_scale):
-            if t is fn:
-                return fn.__name__
-        if t is graph_ops.gather_seq:
-            return "gather"
-    return ""
 
 
 def _origin_map(before: fx.GraphModule, after: fx.GraphModule) -> Dict[fx.Node, fx.Node]:
@@ -263,6 +229,7 @@ def _origin_map(before: fx.GraphModule, after: fx.GraphModule) -> Dict[fx.Node, 
 
 
 def _same_args(new: fx.Node, old: fx.Node, origin: Dict[fx.Node, fx.Node]) -> bool:
+    """Whether ``new`` calls what ``old`` did on the copies of the same arguments."""
     def norm_new(a):
         return ("node", origin[a].name) if a in origin else ("new", a.name)
 
@@ -275,11 +242,13 @@ def _same_args(new: fx.Node, old: fx.Node, origin: Dict[fx.Node, fx.Node]) -> bo
 
 
 def short_source(src: str) -> str:
+    """A source line with the working directory's prefix removed."""
     cwd = os.getcwd() + os.sep
     return src.replace(cwd, "") if src else src
 
 
 def _rows_before(gm: fx.GraphModule, names: Dict[str, str]) -> List[NodeRow]:
+    """The rows of the Dynamo graph (global shapes)."""
     rows = []
     for n in gm.graph.nodes:
         shape = _shape(n.meta.get("example_value"))
@@ -290,10 +259,12 @@ def _rows_before(gm: fx.GraphModule, names: Dict[str, str]) -> List[NodeRow]:
 
 def _rows_after(before: fx.GraphModule, after: fx.GraphModule, names: Dict[str, str],
                 attention_src: List[str]) -> List[NodeRow]:
+    """The rows of the rewritten graph (global -> local shapes); ring ops carry their attention's source
+    line (one ring op per original attention, in graph order)."""
     origin = _origin_map(before, after)
     rows, rings = [], iter(attention_src)
     for n in after.graph.nodes:
-        kind = _kind(n)
+        kind = node_kind(n)
         old = origin.get(n)
         if old is None:
             status = "inserted"
@@ -314,91 +285,36 @@ def _rows_after(before: fx.GraphModule, after: fx.GraphModule, names: Dict[str, 
     return rows
 
 
-def _activation_bytes(gm: fx.GraphModule, key: str) -> int:
-    """Bytes of every intermediate tensor (not inputs, parameters, buffers or parameter aliases)."""
-    total = 0
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "get_attr", "output") or _kind(n) in ("grad_all_reduce", "grad_all_reduce_bucket"):
-            continue
-        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
-                and _kind(n.args[0]) == "grad_all_reduce_bucket":
-            continue
-        total += _nbytes(n.meta.get(key))
-    return total
-
-
-def _arg(node: fx.Node, i: int) -> Any:
-    return node.args[i].meta.get("val") if isinstance(node.args[i], fx.Node) else None
-
-
-def _collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> List[Collective]:
-    nodes = list(after.graph.nodes)
-    rings = [n for n in nodes if _kind(n) == "ring_attention"]
-    kv_hop, acc_hop = 0, 0
-    for r in rings:
-        k, v = _arg(r, 1), _arg(r, 2)
-        kv_hop += _nbytes(k) + _nbytes(v)
-        acc_hop += (_int(k.numel()) + _int(v.numel())) * 4 if k is not None and v is not None else 0
-    hops = n_ranks - 1
-    out: List[Collective] = []
-    if rings:
-        out.append(Collective("forward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
-                              f"{len(rings)} attention x {hops} hop(s), {kv_hop // max(len(rings), 1):,} B per hop"))
-    ar = [n for n in nodes if _kind(n) == "all_reduce_sum"]
-    ar_bytes = sum(_nbytes(n.meta.get("val")) for n in ar)
-    if ar:
-        out.append(Collective("forward", "all_reduce (global loss / reductions)", len(ar), ar_bytes))
-    g_bytes = sum(_nbytes(g.meta.get("val")) for g in gathers)
-    if gathers:
-        out.append(Collective("forward", "all_gather (fallbacks)", len(gathers), g_bytes,
-                              "bytes of the gathered full-sequence values"))
-    if rings:
-        out.append(Collective("backward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
-                              f"{len(rings)} attention x {hops} hop(s)"))
-        out.append(Collective("backward", "ring dK/dV send+recv (fp32)", len(rings) * n_ranks, acc_hop * n_ranks,
-                              f"{len(rings)} attention x {n_ranks} hop(s), {acc_hop // max(len(rings), 1):,} B per hop"))
-    singles = [n for n in nodes if _kind(n) == "grad_all_reduce"]
-    buckets = [n for n in nodes if _kind(n) == "grad_all_reduce_bucket"]
-    if singles:
-        out.append(Collective("backward", "grad all_reduce (parameters)", len(singles),
-                              sum(_nbytes(n.meta.get("val")) for n in singles), "one per tensor"))
-    if buckets:
-        b = sum(_nbytes(_bucket_val(x)) for n in buckets for x in n.args[0])
-        out.append(Collective("backward", "grad all_reduce (1-D parameter buckets)", len(buckets), b,
-                              f"{sum(len(n.args[0]) for n in buckets)} tensors flattened"))
-    if ar:
-        out.append(Collective("backward", "all_reduce (gradient of the global loss)", len(ar), ar_bytes))
-    if gathers:
-        out.append(Collective("backward", "reduce_scatter (fallbacks)", len(gathers), g_bytes))
-    return out
-
-
-def _bucket_val(x: Any) -> Any:
-    return x.meta.get("val") if isinstance(x, fx.Node) else None
-
-
 def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, before: fx.GraphModule,
                   after: fx.GraphModule, input_names: Dict[str, str],
                   aot_forward: Optional[fx.GraphModule] = None, aot_backward: Optional[fx.GraphModule] = None) -> Report:
+    """The :class:`Report` of one rewrite; every per-rank figure is read off ``after``."""
     attention = [(n.name, source_line(n)) for n in ctx.attention]
     before_rows = _rows_before(before, input_names)
     rewritten = after is not before
     after_rows = _rows_after(before, after, input_names, [s for _, s in attention]) if rewritten else before_rows
     shard_inputs = {input_names.get(k, k): d for k, d in ctx.shard_inputs.items()}
-    fallbacks, gathers = [], []
-    if rewritten:
-        origin = _origin_map(before, after)
-        copy_of = {old.name: new for new, old in origin.items()}
-        for msg in ctx.fallbacks:
-            m = re.search(r"\(node ([^)\s]+)\) at (.*)$", msg)
-            name, src = (m.group(1), m.group(2)) if m else ("?", "")
-            new = copy_of.get(name)
-            gs = [a for a in (new.all_input_nodes if new is not None else []) if _kind(a) == "gather"]
-            gathers.extend(g for g in gs if g not in gathers)
-            fallbacks.append(FallbackInfo(name, src, msg, sum(_nbytes(g.meta.get("val")) for g in gs)))
-        gathers.extend(n for n in after.graph.nodes if _kind(n) == "gather" and n not in gathers)
-    collectives = _collectives(after, world_size, gathers) if rewritten else []
+    fallbacks, gathers = _fallbacks(before, after, ctx) if rewritten else ([], [])
     return Report(world_size, load_balance, before, after, ctx, input_names, before_rows, after_rows, attention,
-                  shard_inputs, fallbacks, collectives,
-                  _activation_bytes(after, "val") if rewritten else _activation_bytes(before, "example_value"),
-                  _activation_bytes(before, "example_value"), aot_forward, aot_backward)
+                  ring_masks(after, [n for n, _ in attention]) if rewritten else [], shard_inputs, fallbacks,
+                  collectives(after, world_size, gathers) if rewritten else [],
+                  activation_bytes(after, "val") if rewritten else activation_bytes(before, "example_value"),
+                  activation_bytes(before, "example_value"), aot_forward, aot_backward)
+
+
+def _fallbacks(before: fx.GraphModule, after: fx.GraphModule,
+               ctx: RewriteContext) -> Tuple[List[FallbackInfo], List[fx.Node]]:
+    """Each op the rewrite ran on the gathered sequence (with its gathers' bytes), and every gather node."""
+    origin = _origin_map(before, after)
+    copy_of = {old.name: new for new, old in origin.items()}
+    fallbacks: List[FallbackInfo] = []
+    gathers: List[fx.Node] = []
+    for msg in ctx.fallbacks:
+        m = re.search(r"\(node ([^)\s]+)\) at (.*)$", msg)
+        name, src = (m.group(1), m.group(2)) if m else ("?", "")
+        new = copy_of.get(name)
+        gs = [a for a in (new.all_input_nodes if new is not None else []) if node_kind(a) == "gather"]
+        gathers.extend(g for g in gs if g not in gathers)
+        fallbacks.append(FallbackInfo(name, src, msg, sum(nbytes(g.meta.get("val")) for g in gs)))
+    gathers.extend(n for n in after.graph.nodes if node_kind(n) == "gather" and n not in gathers)
+    return fallbacks, gathers

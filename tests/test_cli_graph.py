@@ -13,14 +13,16 @@ import re
 import textwrap
 
 import pytest
+import torch
 
 from cp_compile import cli_graph
 from cp_compile.cli_graph import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
 from cp_compile.inspect_graph import inspect
-from cp_compile.targets import load_target
+from cp_compile.targets import TargetError, example_inputs, load_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LLAMA = os.path.join(REPO, "examples", "models.py") + ":llama_factory"
+MODELS_PY = os.path.join(REPO, "examples", "models.py")
+LLAMA = MODELS_PY + ":llama_factory"
 
 
 def run(argv, capsys):
@@ -94,8 +96,9 @@ def test_dump_world_size_4_striped(capsys):
 
 
 def test_explain_llama_bytes_by_hand():
-    model, ex = load_target(LLAMA)
-    r = inspect(model, ex, world_size=4)
+    model, ex, kw = load_target(LLAMA)
+    assert kw == {}
+    r = inspect(model, ex, world_size=4, example_kwargs=kw)
     B, H_kv, D, S, N, fp32 = 2, 2, 16, 64, 4, 4
     c = S // N
     kv_block = 2 * B * H_kv * c * D * fp32  # K and V of one hop
@@ -129,6 +132,8 @@ def test_explain_text_llama(capsys):
     assert "32,768 B" in out  # forward ring at N=2: 2 attention x 1 hop x 16,384 B
     assert "425,984 B" in out
     assert "crude upper bound" in out
+    # every attention gets a mask line, read off its ring op: is_causal=True is the causal flag, no tensor
+    assert out.count("mask: causal by position (no mask tensor)") == 2
 
 
 def test_explain_shift_inside_has_one_fallback(shift_factory, capsys):
@@ -182,7 +187,7 @@ def test_bad_targets(tmp_path, capsys):
     code, _, err = run(["explain", f"{bad}:boom"], capsys)
     assert code == 2 and "RuntimeError: no weights here" in err
     code, _, err = run(["explain", f"{bad}:single"], capsys)
-    assert code == 2 and "(model, example_inputs)" in err and "Linear" in err
+    assert code == 2 and "(model, args), (model, kwargs) or (model, args, kwargs)" in err and "Linear" in err
     code, _, err = run(["explain", f"{bad}:fixed", "--seq-len", "32"], capsys)
     assert code == 2 and "seq_len" in err and "--seq-len" in err
 
@@ -232,3 +237,159 @@ def test_dump_backward_stage_shows_the_ring_and_every_gradient_all_reduce(capsys
 def test_dump_aot_stages_are_text_only(capsys):
     code, _, err = run(["dump", LLAMA, "--stage", "all", "--format", "html"], capsys)
     assert code == 2 and "--format text" in err
+
+
+# -- the factory's return forms, as torch.export takes them: (model, args), (model, kwargs), (model, args, kwargs)
+@pytest.fixture
+def forms_factory(tmp_path):
+    """Factories of the example Llama (forward(input_ids, labels=None)) returning each accepted form."""
+    path = tmp_path / "forms.py"
+    path.write_text(textwrap.dedent(f"""
+        import importlib.util, sys
+        _spec = importlib.util.spec_from_file_location("cp_test_models_forms", {MODELS_PY!r})
+        models = importlib.util.module_from_spec(_spec)
+        sys.modules["cp_test_models_forms"] = models
+        _spec.loader.exec_module(models)
+
+        def tensor_only():            # args as a single tensor: model(input_ids)
+            model, (ids, labels) = models.llama_factory()
+            return model, ids
+
+        def kwargs_only():            # model(input_ids=ids, labels=labels)
+            model, (ids, labels) = models.llama_factory()
+            return model, {{"input_ids": ids, "labels": labels}}
+
+        def args_and_kwargs():        # model(ids, labels=labels)
+            model, (ids, labels) = models.llama_factory()
+            return model, [ids], {{"labels": labels}}
+
+        def ids_positional():
+            model, (ids, labels) = models.llama_factory()
+            return model, (ids,)
+    """))
+    return str(path)
+
+
+def _without_target(text, target):
+    return text.replace(target, "TARGET")
+
+
+@pytest.mark.parametrize("form,reference", [("tensor_only", "ids_positional"), ("kwargs_only", None),
+                                            ("args_and_kwargs", None)])
+def test_factory_return_forms_explain_and_dump(forms_factory, form, reference, capsys):
+    """Each accepted form traces the very call its positional twin does: explain and dump print
+    the same report (the example Llama's own factory returns (model, (input_ids, labels)))."""
+    target = f"{forms_factory}:{form}"
+    ref = f"{forms_factory}:{reference}" if reference else LLAMA
+    outs = {}
+    for command in ("explain", "dump"):
+        code, outs[command], err = run([command, target], capsys)
+        assert code == 0, err
+        code, expected, err = run([command, ref], capsys)
+        assert code == 0, err
+        assert _without_target(outs[command], target) == _without_target(expected, ref)
+    assert "sharded inputs: input_ids (dim 1)" in outs["explain"] and "attention: 2 node(s)" in outs["explain"]
+    has_loss = "all_reduce (global loss / reductions)" in outs["explain"]
+    assert has_loss == (form != "tensor_only")  # labels given: the loss is a global mean
+
+
+def test_example_inputs_normalises_the_forms_torch_export_takes():
+    model, x, y = torch.nn.Linear(2, 2), torch.zeros(1, 2), torch.ones(1, 2)
+    assert example_inputs((model, x)) == (model, (x,), {})
+    assert example_inputs([model, [x, y]]) == (model, (x, y), {})
+    assert example_inputs((model, {"input": x})) == (model, (), {"input": x})
+    assert example_inputs((model, (x,), {"b": y})) == (model, (x,), {"b": y})
+    assert example_inputs((model, (x,), None)) == (model, (x,), {})
+    with pytest.raises(TargetError, match=r"\(model, args\), \(model, kwargs\) or \(model, args, kwargs\)"):
+        example_inputs(())
+
+
+def test_bad_factory_returns_list_the_accepted_forms(tmp_path, capsys):
+    bad = tmp_path / "returns.py"
+    bad.write_text(textwrap.dedent("""
+        import torch
+        x = torch.zeros(1, 2)
+        def model_only_in_a_tuple(): return (torch.nn.Linear(2, 2),)
+        def four_items(): return torch.nn.Linear(2, 2), (x,), {}, 1
+        def kwargs_then_args(): return torch.nn.Linear(2, 2), {"input": x}, (x,)
+        def a_number(): return torch.nn.Linear(2, 2), 3
+        def inputs_first(): return (x,), torch.nn.Linear(2, 2)
+        def keys_not_names(): return torch.nn.Linear(2, 2), {0: x}
+        def unknown_keyword(): return torch.nn.Linear(2, 2), {"inputs": x}
+    """))
+    forms = "(model, args), (model, kwargs) or (model, args, kwargs)"
+    returned = {"model_only_in_a_tuple": "a tuple of (Linear)", "four_items": "a tuple of (Linear, tuple, dict, int)",
+                "kwargs_then_args": "a tuple of (Linear, dict, tuple)", "a_number": "a tuple of (Linear, int)",
+                "inputs_first": "a tuple of (tuple, Linear)"}
+    for name, got in returned.items():
+        for command in ("explain", "dump"):
+            code, _, err = run([command, f"{bad}:{name}"], capsys)
+            assert code == 2, (name, err)
+            assert forms in err and f"it returned {got}" in err and "Fix: return" in err, err
+            assert "torch.export" in err and "single tensor" in err, err
+    code, _, err = run(["explain", f"{bad}:keys_not_names"], capsys)
+    assert code == 2 and "not argument names: [0]" in err and "Fix:" in err, err
+    code, _, err = run(["explain", f"{bad}:unknown_keyword"], capsys)
+    assert code == 2 and "['inputs']" in err and "Linear.forward(input: torch.Tensor)" in err, err
+    assert "Fix: key them by its parameter names (input)" in err, err
+
+
+# -- the mask line: what the ring op is given, read off the rewritten graph -------------------------------
+HF_PACKED = """
+import torch, transformers
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                                   attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM(cfg)
+
+def _inputs(seq_len):
+    ids = torch.randint(3, 128, (2, seq_len))
+    half = seq_len // 2  # two documents packed in each row: positions restart at the second one
+    pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)])[None].expand(2, -1)
+    return {"input_ids": ids, "position_ids": pos, "labels": ids}
+
+def packed(seq_len=64):
+    return _model(), {**_inputs(seq_len), "use_cache": False}
+
+def packed_with_cache(seq_len=64):   # the KV cache makes Hugging Face ignore packing: a causal mask
+    return _model(), _inputs(seq_len)
+"""
+
+
+@pytest.mark.parametrize("world,seq_len", [(2, 64), (4, 60)])
+def test_explain_hf_llama_packed_documents_states_the_explicit_mask(tmp_path, capsys, world, seq_len):
+    """HF Llama called with keywords, position_ids restarting at each document and use_cache=False:
+    HF builds a packed-document mask, so each ring op gets an explicit (B, 1, c, S_pad) float32
+    attn_mask (its rows only; S = 60 on 4 ranks pads to 64, c = 16). explain states that form and
+    its per-rank shape and bytes, the ones of the ring op's attn_mask in the rewritten graph."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "hf_packed.py"
+    path.write_text(HF_PACKED)
+    model, args, kwargs = load_target(f"{path}:packed", seq_len=seq_len)
+    report = inspect(model, args, world_size=world, example_kwargs=kwargs)
+    B, S_pad = 2, -(-seq_len // (2 * world)) * 2 * world
+    c = S_pad // world
+    rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    runtime = [n.kwargs["attn_mask"].meta["val"] for n in rings]  # what the ring ops are given
+    assert [(tuple(m.shape), m.dtype) for m in runtime] == [((B, 1, c, S_pad), torch.float32)] * 2
+    code, out, err = run(["explain", f"{path}:packed", "--world-size", str(world), "--seq-len", str(seq_len)], capsys)
+    assert code == 0, err
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("mask:")]
+    form = f"mask: explicit attn_mask ({B}, 1, {c}, {S_pad}) float32 per rank, {B * c * S_pad * 4:,} B"
+    assert len(lines) == 2 and all(ln.startswith(form) for ln in lines), lines
+    assert "this rank's query rows over all keys" in lines[0] and "the same tensor as attn_output's" in lines[1]
+
+
+def test_explain_hf_llama_with_cache_still_prints_every_mask(tmp_path, capsys):
+    """Without use_cache=False HF keeps its KV cache and skips the packed-document mask (is_causal=True):
+    the graph explain traces has no mask tensor, and it says so for every attention rather than
+    printing nothing."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "hf_packed.py"
+    path.write_text(HF_PACKED)
+    code, out, err = run(["explain", f"{path}:packed_with_cache"], capsys)
+    assert code == 0, err
+    assert out.count("mask: causal by position (no mask tensor)") == 2, out

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.fx as fx
 
-from .context import fake_value, global_shape, log, source_line
+from .context import fake_value, log, source_line
 from .mask_index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
@@ -63,16 +63,6 @@ class MaskKind:
     causal: bool
     window: int = -1
     explicit: Tuple[fx.Node, ...] = ()
-
-    def describe(self) -> str:
-        """One line for ``cp-compile explain``: what the ring op does with the mask, and what it costs."""
-        what = ("causal" if self.causal else "full") + (f", window {self.window}" if self.window > 0 else "")
-        if not self.explicit:
-            return f"{what} by position (no mask tensor)"
-        shape = tuple(torch.broadcast_shapes(*(global_shape(t) for t in self.explicit)))
-        rows = "this rank's query rows of it: O(S^2 / N)" if len(shape) >= 2 and shape[-2] != 1 \
-            else "the same for every query: O(B·S)"
-        return f"{what} by position, and an explicit {shape} mask ({', '.join(t.name for t in self.explicit)}; {rows})"
 
 
 def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:

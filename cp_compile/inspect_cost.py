@@ -1,0 +1,206 @@
+"""What a rewritten graph costs each rank, read off its nodes: collectives, activation bytes,
+and the attention masks the ring ops receive (for ``cp-compile explain``).
+
+Everything here reads the graph the runtime runs (the output of ``rewrite_for_cp``,
+with rank 0's fake values in ``meta["val"]``): the ring ops' own arguments, the
+collectives' own operands. Nothing re-derives what the rewrite decided, so the
+report cannot drift from what the backend does (the "one code path" rule).
+
+Byte counts are per rank and per training step (one forward and one backward of
+the graph), for ``rotate="p2p"``:
+
+* ring attention, per attention node, with K/V block = 2·B·H_kv·c·D·elem_size from
+  the local shapes of the ring op's k and v: forward (N-1) K/V hops; backward (N-1)
+  K/V hops plus N hops of the fp32 dK/dV accumulators (2·B·H_kv·c·D·4 bytes);
+* gradient all-reduces: the payload, i.e. the parameter bytes (a ring all-reduce
+  moves about 2(N-1)/N of it per rank);
+* forward all-reduces (global loss / reductions), whose backward is an all-reduce too;
+* gathers (fallbacks): the bytes of the gathered full-sequence value, all-gathered in
+  the forward and reduce-scattered in the backward;
+* an explicit attention mask: the bytes its tensor holds (dims broadcast by ``expand``,
+  stride 0, hold nothing).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import graph_ops
+
+KINDS = ("ring_attention", "shard", "grad_all_reduce", "grad_all_reduce_bucket", "all_reduce_sum", "gather",
+         "grad_scale")
+RING_FWD = torch.ops.cp_compile.ring_attention_fwd.default
+# ring_attention_fwd(q, k, v, causal, scale, group_name, load_balance, rotate, kernel, valid_len, timeout,
+#                    window, attn_mask): positions of the arguments read here (cp_compile/ring/ops.py)
+_RING_ARGS = {"k": 1, "v": 2, "causal": 3, "window": 11, "attn_mask": 12}
+
+
+@dataclass
+class Collective:
+    """One kind of collective of a training step, with its count and payload bytes per rank."""
+
+    phase: str  # "forward" | "backward"
+    what: str
+    count: int
+    bytes: int
+    detail: str = ""
+
+
+@dataclass
+class RingMask:
+    """What one ring op applies besides the sequence layout: its ``causal``/``window``
+    arguments and its ``attn_mask`` tensor, as the rewritten graph passes them."""
+
+    causal: bool
+    window: int  # > 0: causal sliding window of that many keys; -1: none
+    mask: Optional[str] = None  # name of the attn_mask node, or None (masking by position only)
+    shape: Optional[Tuple[Any, ...]] = None  # this rank's attn_mask shape (B|1, H|1, c|1, S_pad)
+    dtype: str = ""
+    bytes: int = 0  # bytes the attn_mask tensor holds on this rank
+    per_query: bool = False  # rows differ by query (O(S^2 / N)), else one row for every query (O(B·S))
+    shared_with: str = ""  # an earlier attention given the very same attn_mask node
+
+
+def node_kind(node: fx.Node) -> str:
+    """Which of KINDS ``node`` is, or "" (index_select shards are told apart by the caller)."""
+    if node.op == "call_function":
+        t = node.target
+        if t is RING_FWD:
+            return "ring_attention"
+        for fn in (graph_ops.grad_all_reduce, graph_ops.grad_all_reduce_bucket, graph_ops.all_reduce_sum,
+                   graph_ops.grad_scale):
+            if t is fn:
+                return fn.__name__
+        if t is graph_ops.gather_seq:
+            return "gather"
+    return ""
+
+
+def to_int(d: Any) -> Any:
+    """``d`` as an int (a SymInt's hint), or its text when it has none."""
+    try:
+        return int(d)
+    except Exception:
+        return str(d)
+
+
+def nbytes(val: Any) -> int:
+    """Bytes of a (fake) tensor's elements; 0 for anything else or an unknown size."""
+    if isinstance(val, torch.Tensor):
+        n = to_int(val.numel())
+        return n * val.element_size() if isinstance(n, int) else 0
+    return 0
+
+
+def stored_bytes(val: Any) -> int:
+    """Bytes a (fake) tensor holds: dims of stride 0 (broadcast by ``expand``) count once."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    sizes = [to_int(s) for s, st in zip(val.shape, val.stride()) if to_int(st) != 0]
+    return math.prod(sizes) * val.element_size() if all(isinstance(s, int) for s in sizes) else 0
+
+
+def activation_bytes(gm: fx.GraphModule, key: str) -> int:
+    """Bytes of every intermediate tensor (not inputs, parameters, buffers or parameter aliases)."""
+    total = 0
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output") or node_kind(n) in ("grad_all_reduce",
+                                                                               "grad_all_reduce_bucket"):
+            continue
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+                and node_kind(n.args[0]) == "grad_all_reduce_bucket":
+            continue
+        total += nbytes(n.meta.get(key))
+    return total
+
+
+def ring_arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a ring_attention_fwd node, by position or keyword."""
+    i = _RING_ARGS[name]
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _val(arg: Any) -> Any:
+    """The per-rank fake value of a node argument (None for constants)."""
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else None
+
+
+def ring_masks(after: fx.GraphModule, attention: List[str]) -> List[RingMask]:
+    """The mask each ring op of ``after`` applies, in graph order: the rewrite emits one ring op
+    per original attention, in the original order, so ``attention`` (their names) labels them."""
+    rings = [n for n in after.graph.nodes if node_kind(n) == "ring_attention"]
+    if len(rings) != len(attention):
+        raise AssertionError(f"cp_compile: {len(attention)} attention node(s) but {len(rings)} ring op(s) in the "
+                             "rewritten graph; please report this model.")
+    out: List[RingMask] = []
+    first_user: Dict[fx.Node, str] = {}
+    for ring, name in zip(rings, attention):
+        causal, window, mask = ring_arg(ring, "causal"), ring_arg(ring, "window", -1), ring_arg(ring, "attn_mask")
+        if not isinstance(mask, fx.Node):
+            out.append(RingMask(bool(causal), int(window)))
+            continue
+        val = _val(mask)
+        tensor = isinstance(val, torch.Tensor)
+        per_query = tensor and val.dim() >= 2 and to_int(val.shape[-2]) != 1 and to_int(val.stride(-2)) != 0
+        out.append(RingMask(bool(causal), int(window), mask.name,
+                            tuple(to_int(d) for d in val.shape) if tensor else None,
+                            str(val.dtype).removeprefix("torch.") if tensor else "", stored_bytes(val), per_query,
+                            first_user.get(mask, "")))
+        first_user.setdefault(mask, name)
+    return out
+
+
+def collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> List[Collective]:
+    """The collectives of one training step of ``after`` on each of ``n_ranks`` ranks (module docstring)."""
+    nodes = list(after.graph.nodes)
+    rings = [n for n in nodes if node_kind(n) == "ring_attention"]
+    kv_hop, acc_hop = 0, 0
+    for r in rings:
+        k, v = _val(ring_arg(r, "k")), _val(ring_arg(r, "v"))
+        kv_hop += nbytes(k) + nbytes(v)
+        acc_hop += (to_int(k.numel()) + to_int(v.numel())) * 4 if k is not None and v is not None else 0
+    hops = n_ranks - 1
+    out: List[Collective] = []
+    if rings:
+        out.append(Collective("forward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
+                              f"{len(rings)} attention x {hops} hop(s), {kv_hop // max(len(rings), 1):,} B per hop"))
+    ar = [n for n in nodes if node_kind(n) == "all_reduce_sum"]
+    ar_bytes = sum(nbytes(n.meta.get("val")) for n in ar)
+    if ar:
+        out.append(Collective("forward", "all_reduce (global loss / reductions)", len(ar), ar_bytes))
+    g_bytes = sum(nbytes(g.meta.get("val")) for g in gathers)
+    if gathers:
+        out.append(Collective("forward", "all_gather (fallbacks)", len(gathers), g_bytes,
+                              "bytes of the gathered full-sequence values"))
+    if rings:
+        out.append(Collective("backward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
+                              f"{len(rings)} attention x {hops} hop(s)"))
+        out.append(Collective("backward", "ring dK/dV send+recv (fp32)", len(rings) * n_ranks, acc_hop * n_ranks,
+                              f"{len(rings)} attention x {n_ranks} hop(s), {acc_hop // max(len(rings), 1):,} B per hop"))
+    out += _grad_collectives(nodes)
+    if ar:
+        out.append(Collective("backward", "all_reduce (gradient of the global loss)", len(ar), ar_bytes))
+    if gathers:
+        out.append(Collective("backward", "reduce_scatter (fallbacks)", len(gathers), g_bytes))
+    return out
+
+
+def _grad_collectives(nodes: List[fx.Node]) -> List[Collective]:
+    """The parameter-gradient all-reduces: one per tensor, and the flat buckets of 1-D parameters."""
+    out: List[Collective] = []
+    singles = [n for n in nodes if node_kind(n) == "grad_all_reduce"]
+    buckets = [n for n in nodes if node_kind(n) == "grad_all_reduce_bucket"]
+    if singles:
+        out.append(Collective("backward", "grad all_reduce (parameters)", len(singles),
+                              sum(nbytes(n.meta.get("val")) for n in singles), "one per tensor"))
+    if buckets:
+        b = sum(nbytes(_val(x)) for n in buckets for x in n.args[0])
+        out.append(Collective("backward", "grad all_reduce (1-D parameter buckets)", len(buckets), b,
+                              f"{sum(len(n.args[0]) for n in buckets)} tensors flattened"))
+    return out
