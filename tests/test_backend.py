@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import layout_mismatches  # noqa: E402
 from cp_compile.passes.context import CPRewriteError  # noqa: E402
 
 TOL = 1e-5
@@ -124,20 +125,25 @@ def test_strict_refuses_token_mixing_with_op_and_source_line(ranks):
         assert "models.py:" in msg and "logits[:, :-1" in msg and "strict=True" in msg
 
 
-def _outputs(mode: str):
+def _outputs(mode: str, dynamic):
     torch._dynamo.reset()
     model, (ids, _labels) = models.llama_factory()
     ref = model(ids).detach()
-    out = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager", outputs=mode), fullgraph=True)(ids)
+    compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager", outputs=mode), fullgraph=True,
+                             dynamic=dynamic)
+    out = compiled(ids)
     want = ref if mode == "full" else cp_compile.shard(ref, 1)
-    return _rel(out.detach(), want), tuple(out.shape)
+    return _rel(out.detach(), want), tuple(out.shape), layout_mismatches(out, want)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("mode", ["full", "local"])
-def test_outputs_full_and_local(ranks, mode):
-    for rank, (err, shape) in enumerate(ranks.run(2, _outputs, mode)):
+def test_outputs_full_and_local(ranks, mode, dynamic):
+    """Values, shapes and strides: the gathered logits are laid out as the uncompiled model's."""
+    for rank, (err, shape, mismatches) in enumerate(ranks.run(2, _outputs, mode, dynamic)):
         assert err <= TOL, (rank, err)
         assert shape == ((2, 64, 256) if mode == "full" else (2, 32, 256))
+        assert not mismatches, (rank, mismatches)
 
 
 def _grad_sync_none():

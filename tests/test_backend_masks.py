@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import hf_models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import layout_mismatches  # noqa: E402
 
 TOL = 1e-5
 B, D = 2, 16
@@ -152,6 +153,7 @@ def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
     rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
     return {"loss": _rel(out.loss.detach(), ref.loss.detach()), "grad": grad, "logits": logits,
             "fallbacks": len(backend.fallbacks), "finite": bool(torch.isfinite(ref.logits).all()),
+            "layout": layout_mismatches(out, ref),
             "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}
 
 
@@ -166,6 +168,7 @@ def test_hf_attention_mask_with_padding_is_exact(ranks, family: str, side: str, 
         assert r["finite"], r  # the single-device reference itself is well defined
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["logits"] <= TOL, (rank, r)
         assert r["fallbacks"] == 0 and r["rings"] == [(True, window, True)] * 2, (rank, r)
+        assert not r["layout"], (rank, r["layout"])  # the logits strided as the uncompiled model's
 
 
 # -- the rewrite alone (no process group: cp_compile.inspect_graph) ------------------------

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import hf_models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import layout_mismatches  # noqa: E402
 
 TOL = 1e-5
 
@@ -59,7 +60,8 @@ def _compare(family: str, seq_len: int, overrides: dict, options: dict, lengths:
         compiled = torch.compile(cp_model, backend=backend, fullgraph=True, dynamic=True if lengths else None)
         errs = [_one_length(ref_model, cp_model, compiled, s) for s in (seq_len, *lengths)]
     worst = {k: max(e[k] for e in errs) for k in ("loss", "grad", "logits")}
-    return {**worst, "worst": [e["worst"] for e in errs], **_summary(backend)}
+    layout = [m for e in errs for m in e["layout"]]
+    return {**worst, "worst": [e["worst"] for e in errs], "layout": layout, **_summary(backend)}
 
 
 def _one_length(ref_model, cp_model, compiled, seq_len: int) -> dict:
@@ -73,13 +75,14 @@ def _one_length(ref_model, cp_model, compiled, seq_len: int) -> dict:
     grads = _grad_errors(cp_model, ref_model)
     worst = max(grads, key=grads.get)
     return {"loss": _rel(out.loss.detach(), ref.loss.detach()), "grad": grads[worst], "worst": worst,
-            "logits": _rel(out.logits.detach(), ref.logits.detach())}
+            "logits": _rel(out.logits.detach(), ref.logits.detach()), "layout": layout_mismatches(out, ref)}
 
 
 def _check(results: list, n_layers: int = 2) -> None:
     for rank, r in enumerate(results):
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["logits"] <= TOL, (rank, r)
         assert r["fallbacks"] == 0, (rank, r)
+        assert not r["layout"], (rank, r["layout"])  # every output strided as the uncompiled model's
         assert r["ring"] == n_layers * r["graphs"], (rank, r)  # every layer's attention became the ring
 
 
@@ -115,6 +118,39 @@ def test_hf_gpt2_dynamic_lengths(ranks) -> None:
 def test_hf_sliding_window_shorter_than_the_sequence(ranks) -> None:
     """Mistral, window 16 of S = 64: the graph-built mask becomes the ring op's window; exact."""
     _check(ranks.run(2, _compare, "mistral", 64, {"sliding_window": 16, "use_cache": False}, {}, timeout=240))
+
+
+def _gpt2_as_users_call_it(seq_len: int) -> dict:
+    """GPT2LMHeadModel as a user builds it (no loss_type set: HF logs a warning inside forward,
+    a graph break before the loss), compiled without fullgraph, called with ``labels=``: the
+    frame after the break views the logits the first graph returned."""
+    import transformers
+
+    torch._dynamo.reset()
+    ref_model, cp_model = (_seeded(transformers.GPT2LMHeadModel, hf_models.hf_config("gpt2")) for _ in range(2))
+    ids, _ = hf_models.hf_tokens(seq_len)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    ref = ref_model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    out = torch.compile(cp_model, backend=backend)(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = _grad_errors(cp_model, ref_model)
+    return {"loss": _rel(out.loss.detach(), ref.loss.detach()), "grad": max(grads.values()),
+            "logits": _rel(out.logits.detach(), ref.logits.detach()), "layout": layout_mismatches(out, ref),
+            **_summary(backend)}
+
+
+def _seeded(cls, cfg) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cls(cfg).float().train()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hf_gpt2_with_labels_across_a_graph_break(ranks, world: int) -> None:
+    for rank, r in enumerate(ranks.run(world, _gpt2_as_users_call_it, 128, timeout=300)):
+        assert r["loss"] <= TOL and r["grad"] <= TOL and r["logits"] <= TOL, (rank, r)
+        assert not r["layout"], (rank, r["layout"])
+        assert r["ring"] == 2, (rank, r)  # both layers' attention became the ring
 
 
 def test_hf_llama_on_four_ranks_with_padding(ranks) -> None:

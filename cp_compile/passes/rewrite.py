@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
@@ -206,7 +207,7 @@ def _output(em: Emitter, node: fx.Node) -> None:
             nbytes = ex.numel() * ex.element_size() if isinstance(ex, torch.Tensor) else 0
             log.info("cp_compile: output %s %s is gathered to the full sequence (%.1f MiB per rank); "
                      "if it crosses a graph break, fullgraph=True avoids this", old.name, tuple(shape), nbytes / 2**20)
-        val = em.to_global(old) if isinstance(lay, Sharded) else em.env[old]
+        val = _dense_like(em, old, em.to_global(old)) if isinstance(lay, Sharded) else em.env[old]
         if isinstance(lay, (Sharded, Global)) and isinstance(old.meta.get("example_value"), torch.Tensor) \
                 and old.meta["example_value"].dtype.is_floating_point:
             val = em.call(graph_ops.grad_scale, val, 1.0 / ctx.world)
@@ -216,6 +217,25 @@ def _output(em: Emitter, node: fx.Node) -> None:
     if ctx.outputs == "local" and isinstance(outs, (tuple, list)):  # Dynamo's flat output tuple
         ctx.local_outputs = [i for i, o in enumerate(outs) if isinstance(em.layout(o), Sharded)]
     em.graph.output(_map_outputs(outs, finish))
+
+
+def _dense_like(em: Emitter, old: fx.Node, gathered: fx.Node) -> fx.Node:
+    """``gathered`` laid out in memory in the dim order of ``old``'s original output.
+
+    The gather builds the sequence dim outermost, e.g. logits (B, S, V) with strides
+    (V, B·V, 1); the uncompiled model returns them contiguous, and code after a graph
+    break may ``view`` them (Hugging Face's loss does). ``outputs="full"`` promises what
+    the uncompiled model returns, so the output gets the original's stride order (dense:
+    a strided view such as ``x[:, ::2]`` comes back as a dense tensor in the same order).
+    """
+    ex = old.meta.get("example_value")
+    if not isinstance(ex, torch.Tensor) or ex.dim() < 2:
+        return gathered
+    perm, _ = compute_elementwise_output_logical_to_physical_perm(ex)  # outermost dim first
+    if list(perm) == list(range(ex.dim())):
+        return em.method("contiguous", gathered)
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    return em.method("permute", em.method("contiguous", em.method("permute", gathered, perm)), inverse)
 
 
 def _map_outputs(outs: Any, fn) -> Any:

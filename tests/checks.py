@@ -1,0 +1,29 @@
+"""Checks shared by the tests that compare a ring_cp model with the uncompiled one.
+
+``outputs="full"`` promises what the uncompiled model returns: values, shapes and the
+memory layout (strides), since code after a graph break may ``view`` an output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+def layout_mismatches(out: Any, ref: Any) -> List[str]:
+    """Each tensor of ``out`` (any nesting of tuples, lists, dicts, ModelOutputs) whose shape or
+    strides differ from ``ref``'s tensor at the same place; [] when all agree."""
+    outs, ref_leaves = (_tensors(x) for x in (out, ref))
+    if len(outs) != len(ref_leaves):
+        return [f"{len(outs)} tensors returned, the uncompiled model returns {len(ref_leaves)}"]
+    return [f"output {i}: shape {tuple(a.shape)} strides {a.stride()}, uncompiled {tuple(b.shape)} {b.stride()}"
+            for i, (a, b) in enumerate(zip(outs, ref_leaves)) if a.shape != b.shape or a.stride() != b.stride()]
+
+
+def _tensors(tree: Any) -> List[torch.Tensor]:
+    if hasattr(tree, "to_tuple"):  # a Hugging Face ModelOutput
+        tree = tree.to_tuple()
+    leaves, _ = tree_flatten(tree)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
