@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -84,13 +83,15 @@ def test_exception_names_rank_and_pool_recovers(ranks):
 
 
 def test_hang_times_out_and_pool_recovers(ranks):
-    ranks.run(2, _rank)  # make sure the pool exists, so the timing measures the hang only
-    t0 = time.monotonic()
+    """A hang is reported as RankTimeout once this call's own timeout has passed, naming
+    the rank that hung, and the next call gets a fresh pool. The message says which
+    timeout fired (5 s, not the 120 s default); how long it took is not asserted."""
+    ranks.run(2, _rank)  # make sure the pool exists, so the 5 s go to the hang only
     with pytest.raises(RankTimeout) as info:
         ranks.run(2, _recv_never_sent, timeout=5)
-    elapsed = time.monotonic() - t0
-    assert 5 <= elapsed < 15, elapsed
-    assert "[0]" in str(info.value)  # rank 0 did not answer
+    msg = str(info.value)
+    assert "_recv_never_sent timed out after 5 s on world size 2" in msg, msg
+    assert "ranks [0] did not answer" in msg, msg  # rank 0 hung; rank 1 returned
     assert ranks.run(2, _rank) == [0, 1]
 
 
