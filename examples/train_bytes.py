@@ -12,7 +12,9 @@ step (forward, backward, AdamW) is decorated with
 passes the FULL batch, keeps 1/N of the tokens, attention becomes ring attention,
 and the loss and gradients are the single-device ones.
 
-Rank 0 prints a progress bar with each step's loss, global tokens/s and every
+Rank 0 first prints this machine's fp32 matmul GFLOP/s per process (measured on
+every rank at once, as training runs), so tokens/s measured elsewhere can be
+scaled; then a progress bar with each step's loss, global tokens/s and every
 rank's peak memory of the step, then a one-line comparison against one process
 training the same model at the same sequence length (this script with
 ``--single``, run by rank 0 after training), and writes a loss-curve PNG
@@ -44,7 +46,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # examples/ (models, _measure)
 import models  # noqa: E402
-from _measure import MMAP_THRESHOLD, mmap_threshold_env, peak_mib  # noqa: E402
+from _measure import MMAP_THRESHOLD, matmul_gflops, mmap_threshold_env, peak_mib  # noqa: E402
 
 EPILOG = """examples:
   torchrun --standalone --nproc-per-node 2 examples/train_bytes.py
@@ -191,6 +193,7 @@ def save_plot(path: str, losses: List[float], title: str) -> None:
 
 
 def main(argv=None) -> Optional[dict]:
+    started = time.perf_counter()
     args = parse_args(argv)
     distributed = not args.single and int(os.environ.get("WORLD_SIZE", "1")) > 1
     cuda = torch.cuda.is_available()
@@ -238,6 +241,9 @@ def main(argv=None) -> Optional[dict]:
         f"standard library source")
     log(f"batch={args.batch} x S={args.seq_len} bytes, {args.steps} steps, AdamW lr={args.lr}, "
         f"inner={args.inner}, device={device.type}; {how}")
+    gflops = matmul_gflops(device=device.type)  # every rank at once: the contention training sees
+    log(f"this machine: fp32 matmul {gflops:.0f} GFLOP/s per process ({torch.get_num_threads()} thread(s)); "
+        "tokens/s scale with it", flush=True)
     log("step 1 includes compilation", flush=True)
 
     tokens = args.batch * args.seq_len
@@ -272,7 +278,7 @@ def main(argv=None) -> Optional[dict]:
     rank_peaks = [max(p[r] for p in later) for r in range(world)]
     summary = {"losses": losses, "peak_mib": max(rank_peaks), "rank_peak_mib": rank_peaks,
                "tokens_per_s": sum(rates[1:]) / len(rates[1:]) if len(rates) > 1 else rates[0],
-               "seq_len": args.seq_len, "world_size": world}
+               "seq_len": args.seq_len, "world_size": world, "matmul_gflops": gflops}
     if distributed:
         dist.destroy_process_group()
     if args.single:
@@ -282,7 +288,8 @@ def main(argv=None) -> Optional[dict]:
         return summary
 
     print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} (ln 256 = {math.log(256):.4f}); "
-          f"{summary['tokens_per_s']:.0f} tok/s (mean after step 1)")
+          f"{summary['tokens_per_s']:.0f} tok/s (mean after step 1) with fp32 matmul at {gflops:.0f} GFLOP/s "
+          f"per process; {time.perf_counter() - started:.0f} s since start")
     save_plot(args.plot, losses, f"byte-level Llama on the Python stdlib, S={args.seq_len}, {world} rank(s)")
 
     if args.no_compare:

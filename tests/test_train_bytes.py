@@ -37,6 +37,8 @@ def test_train_bytes_torchrun_two_ranks(tmp_path):
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0] or all(x < math.log(256) + 0.5 for x in losses), losses
     assert "context-parallel over 2 ranks" in proc.stdout, out
+    assert re.search(r"this machine: fp32 matmul \d+ GFLOP/s per process", proc.stdout), out
+    assert re.search(r"tok/s \(mean after step 1\) with fp32 matmul at \d+ GFLOP/s", proc.stdout), out
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -55,3 +57,4 @@ def test_train_bytes_single_prints_json():
     assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"]), summary
     assert summary["world_size"] == 1 and summary["seq_len"] == 256, summary
     assert summary["peak_mib"] >= 0, summary
+    assert summary["matmul_gflops"] > 0, summary  # printed beside tokens/s, to scale them across machines
