@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
+from .find_attention import is_sdpa
 from .layouts import GLOBAL, Global, Layout, Sharded
 from .seq_inputs import is_parameter_like, refuse_unknown
 from .seqindex import SeqIndex
@@ -300,6 +301,23 @@ def _drop_unused_masks(em: Emitter) -> None:
         todo.extend(inputs)
 
 
+def _check_every_attention_is_the_ring(em: Emitter) -> None:
+    """Post-condition: no attention over the whole sequence survives the rewrite.
+
+    Each SDPA of the old graph became one ring op (on whole q/k/v too: indexed by this rank's
+    positions, which costs no communication since every rank holds them), so every rank
+    holds only its share of every attention's queries and keys."""
+    left = [n for n in em.graph.nodes if is_sdpa(n)]
+    rings = sum(n.target is torch.ops.cp_compile.ring_attention_fwd.default for n in em.graph.nodes)
+    if left or rings != len(em.ctx.attention):
+        where = ", ".join(source_line(n) for n in left) or "?"
+        raise CPRewriteError(
+            f"cp_compile: the rewrite left {len(left)} scaled_dot_product_attention on the whole sequence "
+            f"({where}) and made {rings} ring op(s) of {len(em.ctx.attention)} attention(s). This is a bug in "
+            "cp_compile. Fix: report it with the model; strict=False cannot help here."
+        )
+
+
 def _mutates(node: fx.Node) -> bool:
     """In-place methods/functions (``x.add_``, ``torch.relu_``) and other impure calls (``operator.and_`` is pure)."""
     if node.op == "call_method":
@@ -325,13 +343,14 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
             em.env[node], em.layouts[node] = em.copy(node, (), {}), GLOBAL
         elif _tuple_getitem(em, node):
             continue
-        elif not em.sharded_inputs(node):
+        elif not em.sharded_inputs(node) and not is_sdpa(node):  # attention on whole q/k/v: the rule indexes them
             _refuse_random_global(node)
             em.env[node] = em.copy(node, *em.value((node.args, node.kwargs)))
             em.layouts[node] = GLOBAL
         else:
             em.env[node], em.layouts[node] = apply_rule(em, node)
     _drop_unused_masks(em)
+    _check_every_attention_is_the_ring(em)
     new_gm = fx.GraphModule(gm, em.graph)
     new_gm.graph.lint()
     log.debug("cp_compile: rewritten graph\n%s", new_gm.code)

@@ -60,7 +60,13 @@ def _as_seq_sharded(em, old: fx.Node, node: fx.Node) -> Any:
             raise CPRewriteError(f"cp_compile: attention input {old.name} at {source_line(node)} is sharded along "
                                  f"dim {lay.dim}, expected (B, H, S, D) with the sequence at dim 2.")
         return em.env[old]
-    return em.to_sharded(old, 2)
+    if em.ctx.inputs == "local":  # a whole value here has the local length: nothing to index it by
+        raise CPRewriteError(
+            f"cp_compile: attention input {old.name} at {source_line(node)} does not come from a sequence input, "
+            "and with inputs='local' the graph cannot tell which of its rows are this rank's. Fix: "
+            "inputs='full' (every rank passes the whole batch), or seq_inputs={name: dim} naming the inputs "
+            "that carry the sequence.")
+    return em.to_sharded(old, 2)  # every rank holds it whole: take this rank's rows, no communication
 
 
 def sdpa(em, node: fx.Node):
