@@ -31,6 +31,7 @@ from .passes.nested import refuse_nested_tensors
 from .passes.rewrite import rewrite_graph
 from .passes.repropagate import repropagate
 from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
+from .passes.unsplit import find_unsplit_attention
 from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
@@ -194,12 +195,13 @@ def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
 def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
     """Run the passes in order on Dynamo's graph; None when it has no attention.
 
-    refuse_nested_tensors -> find_attention -> choose_seq_inputs (+ resolve_candidates by trial) -> rewrite_graph
+    refuse_nested_tensors -> find_attention (none: find_unsplit_attention) -> choose_seq_inputs (+ resolve_candidates by trial) -> rewrite_graph
     -> repropagate. Shared by the backend and by ``cp-compile dump/explain``.
     """
     refuse_nested_tensors(gm)
     find_attention(gm, ctx)
     if not ctx.attention:
+        find_unsplit_attention(gm, ctx)  # attention in another form: a WARNING, or an error under strict
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = {n.name: t for n, t in zip(placeholders, example_inputs)}

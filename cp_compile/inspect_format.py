@@ -39,6 +39,7 @@ def format_explain(r: Report, target: str = "") -> str:
     if not r.attention:
         lines.append("attention: none found. The ring_cp backend compiles this graph unchanged "
                      "(nothing is split by sequence).")
+        lines += [f"  WARNING: attention that ring_cp cannot split, at {u}" for u in ctx.unsplit]
         return "\n".join(lines)
     lines.append(f"  sequence length S = {ctx.seq_len}; {ctx.local_len} positions per rank"
                  + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))

@@ -72,6 +72,7 @@ class RewriteContext:
     shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
     shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates
     fallbacks: List[str] = field(default_factory=list)
+    unsplit: List[str] = field(default_factory=list)  # attention ring_cp cannot split (passes/unsplit.py)
     local_outputs: List[int] = field(default_factory=list)  # outputs="local": flat positions of shard outputs
 
     @property

@@ -1,0 +1,124 @@
+"""Attention ring_cp cannot split is never run whole in silence (DESIGN §3.1).
+
+``nn.TransformerEncoderLayer`` reaches the graph as one opaque
+``F.multi_head_attention_forward`` node, and hand-written attention as
+``softmax(q @ kᵀ) @ v``: neither is ``scaled_dot_product_attention``, so the graph gets no
+context parallelism. The backend says so with a WARNING naming the op, its source line
+and the fix (once per line), ``strict=True`` refuses it, and ``cp-compile explain``
+prints the same finding from the same pass. The numbers stay the single-device ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cp_compile
+
+TOL = 1e-5
+
+
+class TorchEncoder(nn.Module):
+    """A causal LM from ``nn.TransformerEncoderLayer`` (batch_first, pre-norm)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])  # (S, S) float
+        x = self.enc(self.emb(tokens), mask=mask, is_causal=True)  # (B, S, D)
+        return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten(0, 1))
+
+
+class ByHand(nn.Module):
+    """One attention written as softmax(q @ kᵀ / √d) @ v."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # (B, S, D) each
+        weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)  # (B, S, S)
+        return (weights @ v).square().mean()
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    if name == "nn.TransformerEncoderLayer":
+        ids = torch.randint(0, 64, (2, 16))
+        return TorchEncoder(), (ids, ids.clone())
+    return ByHand(), (torch.randn(2, 16, 16),)
+
+
+def _run(name: str, strict: bool) -> dict:
+    """On every rank: the warnings logged, the loss error against one process (or the refusal)."""
+    torch._dynamo.reset()
+    (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
+    records: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("cp_compile")
+    logger.addHandler(handler)
+    try:
+        out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager", strict=strict))(*inputs)
+    except Exception as e:  # Dynamo wraps backend errors
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        logger.removeHandler(handler)
+    ref = ref_model(*inputs)
+    err = ((out.double() - ref.double()).abs() / ref.double().abs()).item()
+    return {"warnings": [r.getMessage() for r in records], "err": err}
+
+
+NAMES = ["nn.TransformerEncoderLayer", "hand-written"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unsplit_attention_warns_with_line_and_fix(ranks, name: str) -> None:
+    for rank, r in enumerate(ranks.run(2, _run, name, False, timeout=240)):
+        assert r.get("err", 1.0) <= TOL, (rank, r)
+        found = [w for w in r["warnings"] if "attention that ring_cp cannot split" in w]
+        assert found, (rank, r["warnings"])
+        assert "test_unsplit_attention.py:" in found[0] and "Fix:" in found[0], found
+        assert "every rank runs it on the whole sequence" in found[0], found
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unsplit_attention_is_refused_under_strict(ranks, name: str) -> None:
+    for r in ranks.run(2, _run, name, True, timeout=240):
+        assert "strict=True" in r.get("error", ""), r
+        assert "attention that ring_cp cannot split" in r["error"], r
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_explain_reports_the_same_finding(name: str) -> None:
+    from cp_compile.inspect_format import format_explain
+    from cp_compile.inspect_graph import inspect
+
+    model, inputs = _model(name)
+    text = format_explain(inspect(model, inputs, world_size=2))
+    assert "attention: none found" in text, text
+    assert "WARNING: attention that ring_cp cannot split, at" in text and "test_unsplit_attention.py:" in text, text
+
+
+def test_a_plain_softmax_is_not_attention() -> None:
+    """Softmax over a (B, C) logit vector, or over a non-square product: no warning."""
+    from cp_compile.inspect_graph import inspect
+    from cp_compile.passes.context import RewriteContext
+    from cp_compile.passes.unsplit import find_unsplit_attention
+
+    class Classifier(nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(x @ w, dim=-1).sum()  # (B, S, D) @ (D, C): not square
+
+    report = inspect(Classifier(), (torch.randn(2, 16, 8), torch.randn(8, 5)), world_size=2)
+    assert find_unsplit_attention(report.before, RewriteContext(group=report.ctx.group)) == []
