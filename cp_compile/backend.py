@@ -25,12 +25,14 @@ from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
 from .eager_guard import guard_eager_parameters
 from .local_guard import guard_local_shards
 from .passes.context import CPRewriteError, RewriteContext
+from .passes.expand_mha import expand_mha
 from .passes.find_attention import find_attention
 from .passes.grad_share import share_parameter_grads
 from .passes.nested import refuse_nested_tensors
 from .passes.rewrite import rewrite_graph
 from .passes.repropagate import repropagate
 from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
+from .passes.seq_origins import choose_seq_origins
 from .passes.unsplit import find_unsplit_attention
 from .schedule import inductor_overlap_config, schedule_collectives
 
@@ -195,10 +197,12 @@ def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
 def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
     """Run the passes in order on Dynamo's graph; None when it has no attention.
 
-    refuse_nested_tensors -> find_attention (none: find_unsplit_attention) -> choose_seq_inputs (+ resolve_candidates by trial) -> rewrite_graph
+    refuse_nested_tensors -> find_attention (none: find_unsplit_attention) -> choose_seq_inputs
+    (+ resolve_candidates by trial) -> choose_seq_origins -> rewrite_graph
     -> repropagate. Shared by the backend and by ``cp-compile dump/explain``.
     """
     refuse_nested_tensors(gm)
+    expand_mha(gm, ctx)  # nn.MultiheadAttention / nn.Transformer*: its ops, ending in SDPA
     find_attention(gm, ctx)
     if not ctx.attention:
         find_unsplit_attention(gm, ctx)  # attention in another form: a WARNING, or an error under strict
@@ -208,6 +212,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     choose_seq_inputs(gm, ctx, examples)
     if ctx.seq_inputs == "auto":
         resolve_candidates(ctx, lambda choice: _rewrites_cleanly(gm, ctx, examples, choice), gm)
+    choose_seq_origins(gm, ctx)  # no input carries the sequence: shard where it arises
     log.debug("cp_compile: graph before the rewrite\n%s", gm.code)
     new_gm = rewrite_graph(gm, ctx, examples)
     repropagate(new_gm, [n.meta.get("example_value") for n in placeholders])

@@ -8,6 +8,7 @@ from typing import List
 import torch.fx as fx
 
 from .inspect_graph import NodeRow, Report, RingMask, format_shape, short_source
+from .passes.context import source_line
 
 # ---------------------------------------------------------------------------------- text output
 def human(n: int) -> str:
@@ -49,6 +50,10 @@ def format_explain(r: Report, target: str = "") -> str:
         lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(mask)}"]
     lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or
                                        "none (every input stays whole; values are indexed by position)"))
+    for name, dim in ctx.shard_nodes.items():  # passes/seq_origins.py
+        node = next((n for n in r.before.graph.nodes if n.name == name), None)
+        where = short_source(source_line(node)) if node is not None else "?"
+        lines.append(f"  the sequence arises at {name} ({where}): sharded there, dim {dim}")
     if r.fallbacks:
         lines.append(f"fallbacks: {len(r.fallbacks)} op(s) run on the gathered full sequence "
                      "(exact, but every rank holds the whole value: not memory-scalable)")

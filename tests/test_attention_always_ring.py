@@ -90,8 +90,11 @@ def test_attention_on_whole_values_becomes_the_ring(ranks, world: int, seq_len: 
         assert r["rings"] == 2 and r["sdpa"] == 0, (rank, r)  # both attentions: the ring, none whole
 
 
-def test_explain_shows_the_ring_for_whole_values() -> None:
-    """cp-compile explain's code path (inspect, no process group) makes the same rewrite."""
+def test_explain_shows_where_the_sequence_arises() -> None:
+    """cp-compile explain's code path (inspect, no process group) makes the same rewrite: the
+    ``cat`` of cls and patches is sharded right where it is computed (passes/seq_origins.py), so
+    everything after it holds 1/N of the tokens; only the patch embedding runs whole."""
+    from cp_compile.inspect_format import format_explain
     from cp_compile.inspect_graph import inspect
 
     model, inputs = _vit(16)
@@ -99,6 +102,9 @@ def test_explain_shows_the_ring_for_whole_values() -> None:
     after = [n.target for n in report.after.graph.nodes if n.op == "call_function"]
     assert F.scaled_dot_product_attention not in after
     assert sum(t is torch.ops.cp_compile.ring_attention_fwd.default for t in after) == 2
+    assert list(report.ctx.shard_nodes.values()) == [1], report.ctx.shard_nodes
+    assert report.act_bytes_local / report.act_bytes_global < 0.6, (report.act_bytes_local, report.act_bytes_global)
+    assert "the sequence arises at cat (" in format_explain(report)
 
 
 def test_post_condition_refuses_a_surviving_whole_attention() -> None:

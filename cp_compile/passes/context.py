@@ -70,6 +70,7 @@ class RewriteContext:
     attention: List[fx.Node] = field(default_factory=list)
     masks: Dict[fx.Node, Any] = field(default_factory=dict)  # attention with a graph-built mask -> masks.MaskKind
     shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
+    shard_nodes: Dict[str, int] = field(default_factory=dict)  # where the sequence arises (seq_origins) -> dim
     shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates
     fallbacks: List[str] = field(default_factory=list)
     unsplit: List[str] = field(default_factory=list)  # attention ring_cp cannot split (passes/unsplit.py)

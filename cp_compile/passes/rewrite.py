@@ -347,6 +347,9 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
             _refuse_random_global(node)
             em.env[node] = em.copy(node, *em.value((node.args, node.kwargs)))
             em.layouts[node] = GLOBAL
+            if node.name in ctx.shard_nodes:  # the sequence arises here (seq_origins): shard it at once
+                dim = ctx.shard_nodes[node.name]
+                em.env[node], em.layouts[node] = em.to_sharded(node, dim), Sharded(dim)
         else:
             em.env[node], em.layouts[node] = apply_rule(em, node)
     _drop_unused_masks(em)
