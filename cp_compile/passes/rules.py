@@ -2,9 +2,11 @@
 
 | op class | ops | Sharded(d) in -> out |
 |---|---|---|
-| pointwise (broadcasting) | + - * / neg pow, rsqrt/exp/..., silu/gelu/relu, to/float/type_as, masked_fill, where | Sharded(aligned d); Global operands with size S there are indexed by position |
-| per-token | linear, embedding, layer_norm, rms_norm, softmax/log_softmax (not over d) | Sharded(d) |
+| pointwise (broadcasting) | + - * / neg pow square polar, rsqrt/exp/..., silu/gelu/relu, to/float/type_as, masked_fill, where | Sharded(aligned d); Global operands with size S there are indexed by position |
+| per-token | linear, embedding, layer_norm, rms_norm (F. and torch.), softmax/log_softmax (not over d) | Sharded(d) |
 | matmul | matmul / @ / bmm: tokens in the left side's rows, or in the right side's columns (RoPE as inv_freq @ position_ids), not contracted | Sharded(d) |
+| einsum (rules_einsum.py) | any equation keeping the sequence letter in the output; Global operands with it indexed | Sharded(letter's output dim) |
+| complex views (rules_complex.py) | view_as_complex / view_as_real (drop / add the trailing (re, im) dim) | Sharded(d) |
 | addmm | addmm(bias, x, W) with tokens in x's rows (HF GPT-2 Conv1D) | Sharded(0) |
 | views | view/reshape (baked length rewritten to the local one), flatten, (un)squeeze, transpose/permute/movedim, expand, contiguous | Sharded(where d moves) |
 | split/join | chunk/split/unbind/cat/stack/repeat_interleave not along d; empty cat operands (HF's training KV cache) dropped | Sharded(d) |
@@ -29,6 +31,8 @@ from .context import global_shape
 from .layouts import GLOBAL, Sharded, view_layout
 from .rewrite import Emitter
 from .rules_attention import attention_rule, loss_rules
+from .rules_complex import complex_rules
+from .rules_einsum import einsum_rules
 
 Rule = Callable[[Emitter, fx.Node], Tuple[Any, Any]]
 
@@ -37,12 +41,12 @@ POINTWISE_FUNCS = {
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt, torch.exp,
     torch.log, torch.tanh, torch.sigmoid, torch.sin, torch.cos, torch.abs, torch.where, torch.clamp,
     torch.maximum, torch.minimum, torch.masked_fill, F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, F.softplus,
-    F.dropout,
+    F.dropout, torch.square, torch.polar,
 }
 POINTWISE_METHODS = {
     "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "sin", "cos",
     "abs", "float", "half", "bfloat16", "double", "to", "type_as", "clone", "detach", "masked_fill", "clamp",
-    "__add__", "__mul__", "__sub__", "__truediv__", "__radd__", "__rmul__",
+    "__add__", "__mul__", "__sub__", "__truediv__", "__radd__", "__rmul__", "square",
 }
 
 
@@ -93,7 +97,7 @@ def per_token(em: Emitter, node: fx.Node):
 
 def _trailing_feature_dims(node: fx.Node) -> int:
     t, nd = node.target, _ndim(node.args[0])
-    if t in (F.layer_norm, getattr(F, "rms_norm", None)):
+    if t in (F.layer_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)):
         shape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
         return len(shape) if isinstance(shape, (list, tuple)) else 1
     if t in (F.softmax, F.log_softmax) or (node.op == "call_method" and t in ("softmax", "log_softmax")):
@@ -359,10 +363,9 @@ def _dims_args(node: fx.Node, n: int) -> Sequence[int]:
 def _table() -> Dict[Any, Rule]:
     t: Dict[Any, Rule] = {f: pointwise for f in POINTWISE_FUNCS}
     t.update({("method", m): pointwise for m in POINTWISE_METHODS})
-    for f in (F.linear, torch._C._nn.linear, F.embedding, F.layer_norm, F.softmax, F.log_softmax):
+    norms = [getattr(m, "rms_norm") for m in (F, torch) if hasattr(m, "rms_norm")]  # nn.RMSNorm: torch.rms_norm
+    for f in (F.linear, torch._C._nn.linear, F.embedding, F.layer_norm, F.softmax, F.log_softmax, *norms):
         t[f] = per_token
-    if hasattr(F, "rms_norm"):
-        t[F.rms_norm] = per_token
     t.update({("method", "softmax"): per_token, ("method", "log_softmax"): per_token})
     t.update({operator.matmul: matmul, torch.matmul: matmul, torch.bmm: matmul,
               ("method", "matmul"): matmul, ("method", "bmm"): matmul})
@@ -386,6 +389,8 @@ def _table() -> Dict[Any, Rule]:
     t.update({torch.sum: reduction, torch.mean: reduction})
     t.update(attention_rule())
     t.update(loss_rules())
+    t.update(complex_rules())
+    t.update(einsum_rules())
     return t
 
 
