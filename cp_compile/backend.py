@@ -34,6 +34,7 @@ from .passes.repropagate import repropagate
 from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
 from .passes.seq_origins import choose_seq_origins
 from .passes.unsplit import find_unsplit_attention
+from .record import GraphRecord, record_graph
 from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
@@ -104,6 +105,7 @@ class RingCP:
         self.graphs: List[fx.GraphModule] = []  # rewritten graphs, for inspection
         self.fallbacks: List[str] = []  # every gather to the full sequence, with its source line
         self.no_attention: List[fx.GraphModule] = []  # graphs compiled without a rewrite (see grad_share)
+        self.records: List[GraphRecord] = []  # per compiled graph: what CP it got (cp_compile.record)
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: List[torch.Tensor], mode: Optional[str] = None,
@@ -127,11 +129,13 @@ class RingCP:
                 log.info("cp_compile: no attention in this graph: compiling it unchanged")
             compiled = inner(shared if shared is not None else gm, example_inputs)
             self.no_attention.append(gm)
+            self.records.append(ctx.record)
         else:
             _set_ring_timeout(new_gm, opts.timeout)
             compiled = _hand_off(opts.inner, inner, new_gm, example_inputs)
             self.graphs.append(new_gm)
             self.fallbacks.extend(ctx.fallbacks)
+            self.records.append(ctx.record)
         if opts.outputs == "local" and opts.inputs == "full":
             names = [user_name(n) for n in gm.graph.find_nodes(op="placeholder")]
             compiled = guard_local_shards(compiled, ctx.local_outputs, names)
@@ -206,6 +210,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     find_attention(gm, ctx)
     if not ctx.attention:
         find_unsplit_attention(gm, ctx)  # attention in another form: a WARNING, or an error under strict
+        ctx.record = record_graph(gm, None, ctx)
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = {n.name: t for n, t in zip(placeholders, example_inputs)}
@@ -216,6 +221,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     log.debug("cp_compile: graph before the rewrite\n%s", gm.code)
     new_gm = rewrite_graph(gm, ctx, examples)
     repropagate(new_gm, [n.meta.get("example_value") for n in placeholders])
+    ctx.record = record_graph(gm, new_gm, ctx)  # what explain prints; warns when little is sharded
     return new_gm
 
 

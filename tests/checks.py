@@ -1,7 +1,9 @@
 """Checks shared by the tests that compare a ring_cp model with the uncompiled one.
 
 ``outputs="full"`` promises what the uncompiled model returns: values, shapes and the
-memory layout (strides), since code after a graph break may ``view`` an output.
+memory layout (strides), since code after a graph break may ``view`` an output. And
+``cp-compile explain`` promises what the runtime does: :func:`explain_record` is the
+record explain prints, to compare with the backend's ``RingCP.records``.
 """
 
 from __future__ import annotations
@@ -27,3 +29,12 @@ def _tensors(tree: Any) -> List[torch.Tensor]:
         tree = tree.to_tuple()
     leaves, _ = tree_flatten(tree)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def explain_record(model: torch.nn.Module, args: tuple = (), kwargs: Any = None, world_size: int = 2,
+                   **options: Any) -> Any:
+    """The :class:`cp_compile.record.GraphRecord` that ``cp-compile explain`` prints for ``model``
+    (one graph, traced without a process group). Resets Dynamo: call it before compiling."""
+    from cp_compile.inspect_graph import inspect
+
+    return inspect(model, args, world_size=world_size, example_kwargs=kwargs, **options).ctx.record

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import hf_models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from checks import layout_mismatches  # noqa: E402
+from checks import explain_record, layout_mismatches  # noqa: E402
 
 TOL = 1e-5
 
@@ -57,8 +57,13 @@ def _compare(family: str, seq_len: int, overrides: dict, options: dict, lengths:
     ref_model, cp_model = (hf_models.hf_model(family, **overrides) for _ in range(2))
     backend = cp_compile.RingCP(inner="aot_eager", **options)
     with torch._dynamo.config.patch(specialize_float=True):  # attention_dropout stays a constant 0.0
+        ids, labels = hf_models.hf_tokens(seq_len)
+        explained = None if lengths else explain_record(ref_model, (), {"input_ids": ids, "labels": labels},
+                                                        world_size=torch.distributed.get_world_size(), **options)
         compiled = torch.compile(cp_model, backend=backend, fullgraph=True, dynamic=True if lengths else None)
         errs = [_one_length(ref_model, cp_model, compiled, s) for s in (seq_len, *lengths)]
+    if explained is not None:  # explain (static shapes) says what the runtime did
+        assert backend.records == [explained], (backend.records, explained)
     worst = {k: max(e[k] for e in errs) for k in ("loss", "grad", "logits")}
     layout = [m for e in errs for m in e["layout"]]
     return {**worst, "worst": [e["worst"] for e in errs], "layout": layout, **_summary(backend)}

@@ -1,9 +1,9 @@
 """Attention ring_cp cannot split is never run whole in silence (DESIGN §3.1).
 
-``nn.TransformerEncoderLayer`` reaches the graph as one opaque
-``F.multi_head_attention_forward`` node, and hand-written attention as
-``softmax(q @ kᵀ) @ v``: neither is ``scaled_dot_product_attention``, so the graph gets no
-context parallelism. The backend says so with a WARNING naming the op, its source line
+``nn.MultiheadAttention`` whose attention weights (S x S) are used stays one opaque
+``F.multi_head_attention_forward`` node (passes/expand_mha.py opens every other one into
+SDPA), and hand-written attention is ``softmax(q @ kᵀ) @ v``: neither is
+``scaled_dot_product_attention``, so the graph gets no context parallelism. The backend says so with a WARNING naming the op, its source line
 and the fix (once per line), ``strict=True`` refuses it, and ``cp-compile explain``
 prints the same finding from the same pass. The numbers stay the single-device ones.
 """
@@ -22,20 +22,16 @@ import cp_compile
 TOL = 1e-5
 
 
-class TorchEncoder(nn.Module):
-    """A causal LM from ``nn.TransformerEncoderLayer`` (batch_first, pre-norm)."""
+class WeightsUsed(nn.Module):
+    """``nn.MultiheadAttention`` returning its averaged attention weights (B, S, S) too."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4) -> None:
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
         super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.out = nn.Linear(dim, vocab)
+        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])  # (S, S) float
-        x = self.enc(self.emb(tokens), mask=mask, is_causal=True)  # (B, S, D)
-        return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten(0, 1))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.mha(x, x, x)  # need_weights=True by default
+        return out.square().mean() + weights.square().mean()
 
 
 class ByHand(nn.Module):
@@ -53,10 +49,7 @@ class ByHand(nn.Module):
 
 def _model(name: str):
     torch.manual_seed(0)
-    if name == "nn.TransformerEncoderLayer":
-        ids = torch.randint(0, 64, (2, 16))
-        return TorchEncoder(), (ids, ids.clone())
-    return ByHand(), (torch.randn(2, 16, 16),)
+    return (WeightsUsed() if name == "nn.MultiheadAttention weights" else ByHand()), (torch.randn(2, 16, 16),)
 
 
 def _run(name: str, strict: bool) -> dict:
@@ -79,7 +72,7 @@ def _run(name: str, strict: bool) -> dict:
     return {"warnings": [r.getMessage() for r in records], "err": err}
 
 
-NAMES = ["nn.TransformerEncoderLayer", "hand-written"]
+NAMES = ["nn.MultiheadAttention weights", "hand-written"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -96,7 +89,8 @@ def test_unsplit_attention_warns_with_line_and_fix(ranks, name: str) -> None:
 def test_unsplit_attention_is_refused_under_strict(ranks, name: str) -> None:
     for r in ranks.run(2, _run, name, True, timeout=240):
         assert "strict=True" in r.get("error", ""), r
-        assert "attention that ring_cp cannot split" in r["error"], r
+        # expand_mha refuses first for nn.MultiheadAttention (naming need_weights), unsplit for the rest
+        assert "attention that ring_cp cannot split" in r["error"] or "is left whole" in r["error"], r
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -74,6 +74,7 @@ class RewriteContext:
     shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates
     fallbacks: List[str] = field(default_factory=list)
     unsplit: List[str] = field(default_factory=list)  # attention ring_cp cannot split (passes/unsplit.py)
+    record: Any = None  # the graph's cp_compile.record.GraphRecord, once rewrite_for_cp is done
     local_outputs: List[int] = field(default_factory=list)  # outputs="local": flat positions of shard outputs
 
     @property

@@ -1,0 +1,91 @@
+"""The record of one graph's rewrite: what context parallelism it got, from one code path.
+
+:func:`cp_compile.backend.rewrite_for_cp` builds a :class:`GraphRecord` for every graph
+Dynamo hands over, rewritten or not; the backend keeps them (``RingCP.records``) and
+``cp-compile explain`` prints the one of its graph, so the tool and the runtime cannot
+disagree about what a model gets. A graph with attention but little of its activation
+memory sharded is logged as a WARNING (once per attention line).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+from .inspect_cost import activation_bytes
+from .passes.context import RewriteContext, source_line
+from .passes.seq_inputs import user_name
+
+log = logging.getLogger("cp_compile")
+
+LOW_SHARDED = 0.5  # below this sharded fraction of activation bytes, a rewritten graph is reported
+_warned: Set[str] = set()
+
+
+@dataclass
+class GraphRecord:
+    """What the rewrite of one graph did, per rank (rank 0's shapes; every rank's are alike)."""
+
+    world_size: int
+    attention: List[Tuple[str, str]] = field(default_factory=list)  # (node, source line) of each SDPA found
+    rings: int = 0  # ring attention ops in the rewritten graph (== len(attention): a post-condition)
+    shard_inputs: Dict[str, int] = field(default_factory=dict)  # forward() argument -> sequence dim
+    shard_nodes: Dict[str, int] = field(default_factory=dict)  # where the sequence arises -> dim
+    fallbacks: List[str] = field(default_factory=list)  # ops run on the gathered sequence, with their lines
+    unsplit: List[str] = field(default_factory=list)  # attention in a form ring_cp cannot split
+    act_bytes_local: int = 0  # every intermediate tensor of the rewritten graph, this rank
+    act_bytes_global: int = 0  # the same for the original graph on one device
+
+    @property
+    def sharded_fraction(self) -> float:
+        """The fraction f of the activation bytes held sharded, from local = (1 - f)·G + f·G/N
+        (1.0: every intermediate holds 1/N of the tokens; 0.0: no context parallelism)."""
+        if not self.rings or not self.act_bytes_global or self.world_size < 2:
+            return 0.0
+        f = (1.0 - self.act_bytes_local / self.act_bytes_global) / (1.0 - 1.0 / self.world_size)
+        return min(1.0, max(0.0, f))
+
+    def summary(self) -> str:
+        """One line: attention, where sharding starts, fallbacks and the sharded fraction."""
+        starts = [f"input {k} (dim {d})" for k, d in self.shard_inputs.items()]
+        starts += [f"{k} (dim {d})" for k, d in self.shard_nodes.items()]
+        return (f"{self.rings} of {len(self.attention)} attention(s) became ring attention; sharded from "
+                f"{', '.join(starts) or 'the attention inputs only'}; {len(self.fallbacks)} gather fallback(s); "
+                f"{self.sharded_fraction:.0%} of activation bytes held sharded")
+
+
+def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: RewriteContext) -> GraphRecord:
+    """The :class:`GraphRecord` of ``before`` rewritten into ``after`` (None: not rewritten)."""
+    names = {n.name: user_name(n) for n in before.graph.nodes if n.op == "placeholder"}
+    rec = GraphRecord(world_size=ctx.group.size, attention=[(n.name, source_line(n)) for n in ctx.attention],
+                      shard_inputs={names.get(k, k): d for k, d in ctx.shard_inputs.items()},
+                      shard_nodes=dict(ctx.shard_nodes), fallbacks=list(ctx.fallbacks), unsplit=list(ctx.unsplit),
+                      act_bytes_global=activation_bytes(before, "example_value"))
+    if after is None:
+        rec.act_bytes_local = rec.act_bytes_global
+        return rec
+    fwd = torch.ops.cp_compile.ring_attention_fwd.default
+    rec.rings = sum(n.target is fwd for n in after.graph.nodes)
+    rec.act_bytes_local = activation_bytes(after, "val")
+    if rec.act_bytes_local == 0:  # no per-rank fake values (repropagate could not run): unknown
+        rec.act_bytes_local = rec.act_bytes_global
+    _warn_if_low(rec)
+    return rec
+
+
+def _warn_if_low(rec: GraphRecord) -> None:
+    """A WARNING when most of a rewritten graph's activation bytes stay whole on every rank."""
+    if rec.sharded_fraction >= LOW_SHARDED or not rec.attention:
+        return
+    key = rec.attention[0][1]
+    if key in _warned:
+        return
+    _warned.add(key)
+    log.warning("cp_compile: the graph with attention at %s holds only %.0f%% of its activation bytes sharded "
+                "(%d gather fallback(s)%s): most of it runs on the whole sequence on every rank. Fix: see the "
+                "fallbacks' warnings, or run `cp-compile explain` on the model.", key, 100 * rec.sharded_fraction,
+                len(rec.fallbacks), "; first: " + rec.fallbacks[0] if rec.fallbacks else "")
