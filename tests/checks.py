@@ -38,3 +38,22 @@ def explain_record(model: torch.nn.Module, args: tuple = (), kwargs: Any = None,
     from cp_compile.inspect_graph import inspect
 
     return inspect(model, args, world_size=world_size, example_kwargs=kwargs, **options).ctx.record
+
+
+def loss_through_ring_cp(ref_model: torch.nn.Module, cp_model: torch.nn.Module, inputs: tuple, **options: Any):
+    """On a rank: forward + backward of the scalar loss of ``ref_model`` (eager, whole sequence)
+    and of ``cp_model`` (an identical copy) through ring_cp (``inner="aot_eager"``,
+    ``fullgraph=True``), after checking that explain's record is the one the runtime keeps.
+    Returns ``(ref_loss, cp_loss, backend)``."""
+    import torch.distributed as dist
+
+    import cp_compile
+
+    explained = explain_record(ref_model, inputs, world_size=dist.get_world_size(), **options)
+    ref = ref_model(*inputs)
+    ref.backward()
+    backend = cp_compile.RingCP(inner="aot_eager", **options)
+    out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
+    out.backward()
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
+    return ref, out, backend

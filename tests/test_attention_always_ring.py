@@ -15,8 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cp_compile
-from checks import explain_record
+from checks import loss_through_ring_cp
 
 TOL = 1e-5
 
@@ -70,13 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _compare(seq_len: int) -> dict:
     torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _vit(seq_len), _vit(seq_len)
-    explained = explain_record(ref_model, inputs, world_size=torch.distributed.get_world_size())
-    ref = ref_model(*inputs)
-    ref.backward()
-    backend = cp_compile.RingCP(inner="aot_eager")
-    out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
-    out.backward()
-    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     targets = [n.target for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
     return {
         "loss": _rel(out.detach(), ref.detach()),

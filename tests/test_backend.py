@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from checks import explain_record, layout_mismatches  # noqa: E402
+from checks import layout_mismatches, loss_through_ring_cp  # noqa: E402
 from cp_compile.passes.context import CPRewriteError  # noqa: E402
 
 TOL = 1e-5
@@ -40,13 +40,7 @@ def _compare(factory: str, kw: dict, options: dict):
     torch._dynamo.reset()
     ref_model, inputs = getattr(models, factory)(**kw)
     cp_model, _ = getattr(models, factory)(**kw)
-    explained = explain_record(ref_model, inputs, world_size=dist.get_world_size(), **options)
-    ref = ref_model(*inputs)
-    ref.backward()
-    backend = cp_compile.RingCP(inner="aot_eager", **options)
-    out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
-    out.backward()
-    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs, **options)
     return (*_errors(ref_model, ref, cp_model, out), len(backend.fallbacks), _summary(backend))
 
 

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import model_styles  # noqa: E402
 
-import cp_compile  # noqa: E402
-from checks import explain_record  # noqa: E402
+from checks import loss_through_ring_cp  # noqa: E402
 from cp_compile.passes.rules_einsum import parse_equation  # noqa: E402
 
 TOL = 1e-5
@@ -38,13 +37,7 @@ def _compare(factory: str, kw: dict) -> dict:
     torch._dynamo.reset()
     ref_model, inputs = getattr(model_styles, factory)(**kw)
     cp_model, _ = getattr(model_styles, factory)(**kw)
-    explained = explain_record(ref_model, inputs, world_size=torch.distributed.get_world_size())
-    ref = ref_model(*inputs)
-    ref.backward()
-    backend = cp_compile.RingCP(inner="aot_eager")
-    out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
-    out.backward()
-    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
     return {
         "loss": _rel(out.detach(), ref.detach()),

@@ -15,7 +15,6 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import cp_compile
 
