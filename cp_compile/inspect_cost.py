@@ -83,7 +83,14 @@ def node_kind(node: fx.Node) -> str:
 
 
 def to_int(d: Any) -> Any:
-    """``d`` as an int (a SymInt's hint), or its text when it has none."""
+    """``d`` as an int (a SymInt's hint), or its text when it has none.
+
+    A SymInt is read through its hint, never ``int()``: the backend builds the graph record
+    (cp_compile/record.py) while Dynamo's guards are still open, and ``int()`` would
+    specialise the symbolic length (a recompile for every new sequence length)."""
+    if isinstance(d, torch.SymInt):
+        hint = d.node.hint
+        return int(hint) if hint is not None else str(d)
     try:
         return int(d)
     except Exception:
