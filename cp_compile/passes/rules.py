@@ -13,9 +13,10 @@
 | getitem | ``...`` expanded; a slice covering all of d (``[:, 0:]``) | Sharded(d moved) |
 | size | ``x.size()`` / ``x.size(d)`` (dynamic shapes) | Global: the global sizes, S along d |
 | reductions | sum/mean over d | all-reduce -> Global (mean: / global count) |
-| attention | scaled_dot_product_attention on Sharded q/k/v | ring_attention -> Sharded |
+| attention | scaled_dot_product_attention on Sharded or whole q/k/v (whole: indexed by position) | ring_attention -> Sharded |
 | losses | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
-| anything else | (token mixing: slices along d, roll, cumsum, conv, ...) | fallback: gather to Global, warn |
+| anything else | per-token by its ATen decomposition (oracle.py: erf, lerp, normalize(-1), ...) | as DTensor propagates |
+| what the oracle refuses | (token mixing: slices along d, roll, cumsum, conv, ...) | fallback: gather to Global, warn |
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from .context import global_shape
 from .layouts import GLOBAL, Sharded, view_layout
+from .oracle import decide
 from .rewrite import Emitter
 from .rules_attention import attention_rule, loss_rules
 from .rules_complex import complex_rules
@@ -401,5 +403,8 @@ def apply_rule(em: Emitter, node: fx.Node):
     """Layout and new value of ``node``, which has at least one Sharded input."""
     rule = RULES.get(_key(node))
     if rule is None:
+        decided = decide(em, node)  # no hand rule: ask the op's ATen decomposition before gathering
+        if decided is not None:
+            return decided
         return em.fallback(node, f"{_name(node)} is not known to be per-token")
     return rule(em, node)
