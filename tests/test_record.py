@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,16 +22,21 @@ from cp_compile.inspect_graph import inspect  # noqa: E402
 
 
 class _MixesEarly(nn.Module):
-    """A running sum over the sequence right after the embedding (mixes tokens): every op
-    from there on runs on the gathered, whole sequence until the attention re-shards it."""
+    """Tokens mixed right after the embedding. ``mix="cumsum"``: a running sum, shaped like its
+    input, so the fallback's result is sharded again at once. ``mix="rotate"``: a rotation
+    by slices and a cat, whose pieces (S-1 and 1 tokens) stay whole, so every op from there
+    on runs on the whole sequence until the attention shards its q/k/v."""
 
-    def __init__(self) -> None:
+    def __init__(self, mix: str) -> None:
         super().__init__()
+        self.mix = mix
         self.emb, self.qkv = nn.Embedding(32, 16), nn.Linear(16, 48)
         self.mlp = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.mlp(self.emb(ids).cumsum(dim=1))  # (B, S, 16), gathered before the cumsum
+        x = self.emb(ids)  # (B, S, 16)
+        x = x.cumsum(dim=1) if self.mix == "cumsum" else torch.cat([x[:, -1:], x[:, :-1]], dim=1)
+        x = self.mlp(x)
         q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)  # (B, 2, S, 8) each
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
@@ -44,10 +50,38 @@ def test_fully_sharded_model_records_a_high_fraction() -> None:
         assert rec.sharded_fraction > 0.9, rec  # everything but the weights' uses is per token
 
 
+def test_a_fallback_shaped_like_its_input_is_sharded_again() -> None:
+    """The cumsum runs on the gathered sequence; the MLP after it holds 1/N of the tokens."""
+    report = inspect(_MixesEarly("cumsum"), (torch.randint(0, 32, (2, 16)),), world_size=2)
+    rec = report.ctx.record
+    assert rec.rings == 1 and len(rec.fallbacks) == 1 and rec.sharded_fraction > 0.8, rec
+
+
 def test_a_mostly_whole_graph_warns_and_explain_says_so(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
-        report = inspect(_MixesEarly(), (torch.randint(0, 32, (2, 16)),), world_size=2)
+        report = inspect(_MixesEarly("rotate"), (torch.randint(0, 32, (2, 16)),), world_size=2)
     rec = report.ctx.record
-    assert rec.rings == 1 and len(rec.fallbacks) == 1 and rec.sharded_fraction < 0.5, rec
+    assert rec.rings == 1 and len(rec.fallbacks) == 2 and rec.sharded_fraction < 0.5, rec
     assert any("of its activation bytes sharded" in r.getMessage() and "test_record.py:" in r.getMessage() for r in caplog.records)
     assert f"record: {rec.summary()}" in format_explain(report)
+
+
+def _resharded(seq_len: int) -> tuple:
+    from checks import loss_through_ring_cp
+
+    torch._dynamo.reset()
+    models_ = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models_.append(_MixesEarly("cumsum"))
+    inputs = (torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(1)),)
+    ref, out, backend = loss_through_ring_cp(models_[0], models_[1], inputs)
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
+    grads = max(rel(p.grad, q.grad) for p, q in zip(models_[1].parameters(), models_[0].parameters()))
+    return rel(out.detach(), ref.detach()), grads, len(backend.fallbacks)
+
+
+@pytest.mark.parametrize("world,seq_len", [(2, 16), (4, 16), (2, 15)])
+def test_a_resharded_fallback_is_exact(ranks, world: int, seq_len: int) -> None:
+    for rank, (loss_err, grad_err, fallbacks) in enumerate(ranks.run(world, _resharded, seq_len, timeout=240)):
+        assert loss_err <= 1e-5 and grad_err <= 1e-5 and fallbacks == 1, (rank, loss_err, grad_err, fallbacks)

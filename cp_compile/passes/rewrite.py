@@ -125,14 +125,25 @@ class Emitter:
                          self.ctx.group.name)
 
     def fallback(self, node: fx.Node, why: str) -> Any:
-        """Gather every Sharded input of ``node`` and run it on full sequences (Global)."""
+        """Gather every Sharded input of ``node`` and run it on full sequences.
+
+        A result shaped like a gathered input (``cumsum``, ``roll``, ``flip`` along the
+        sequence, a same-padded conv) is sharded again at once, along that input's dim:
+        the gather costs the one op that needs the whole sequence, not every op after it.
+        Any other result stays Global."""
         self.ctx.fallback(node, why)
-        gathered = {a: self.to_global(a) for a in tree_flatten((node.args, node.kwargs))[0]
-                    if isinstance(self.layout(a), Sharded)}
+        sharded = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(self.layout(a), Sharded)]
+        gathered = {a: self.to_global(a) for a in sharded}
         args, kwargs = fx.node.map_aggregate(
             (node.args, node.kwargs), lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a
         )
-        return self.copy(node, args, kwargs), GLOBAL
+        new = self.copy(node, args, kwargs)
+        dims = {self.layout(a).dim for a in sharded if global_shape(a) == global_shape(node)}
+        if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded):
+            self.env[node] = new  # to_sharded reads the whole value from env
+            (dim,) = dims
+            return self.to_sharded(node, dim), Sharded(dim)
+        return new, GLOBAL
 
 
 def _placeholder(em: Emitter, node: fx.Node) -> None:
