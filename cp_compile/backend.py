@@ -27,6 +27,7 @@ from .local_guard import guard_local_shards
 from .passes.context import CPRewriteError, RewriteContext
 from .passes.expand_mha import expand_mha
 from .passes.find_attention import find_attention
+from .passes.fuse_attention import fuse_attention
 from .passes.grad_share import share_parameter_grads
 from .passes.nested import refuse_nested_tensors
 from .passes.rewrite import rewrite_graph
@@ -207,6 +208,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     """
     refuse_nested_tensors(gm)
     expand_mha(gm, ctx)  # nn.MultiheadAttention / nn.Transformer*: its ops, ending in SDPA
+    fuse_attention(gm, ctx)  # softmax(q @ kT * scale + mask) @ v written by hand: SDPA
     find_attention(gm, ctx)
     if not ctx.attention:
         find_unsplit_attention(gm, ctx)  # attention in another form: a WARNING, or an error under strict

@@ -2,10 +2,12 @@
 
 ``nn.MultiheadAttention`` whose attention weights (S x S) are used stays one opaque
 ``F.multi_head_attention_forward`` node (passes/expand_mha.py opens every other one into
-SDPA), and hand-written attention is ``softmax(q @ kᵀ) @ v``: neither is
-``scaled_dot_product_attention``, so the graph gets no context parallelism. The backend says so with a WARNING naming the op, its source line
-and the fix (once per line), ``strict=True`` refuses it, and ``cp-compile explain``
-prints the same finding from the same pass. The numbers stay the single-device ones.
+SDPA), and hand-written attention ``softmax(q @ kᵀ) @ v`` whose S x S weights are used
+elsewhere stays as written (passes/fuse_attention.py turns every other one into SDPA):
+neither is ``scaled_dot_product_attention``, so the graph gets no context parallelism.
+The backend says so with a WARNING naming the op, its source line and the fix (once per
+line), ``strict=True`` refuses it, and ``cp-compile explain`` prints the same finding
+from the same pass. The numbers stay the single-device ones.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class WeightsUsed(nn.Module):
 
 
 class ByHand(nn.Module):
-    """One attention written as softmax(q @ kᵀ / √d) @ v."""
+    """One attention written as softmax(q @ kᵀ / √d) @ v, whose (B, S, S) weights are also
+    regularised: they must exist, so it cannot become SDPA (fuse_attention leaves it)."""
 
     def __init__(self, dim: int = 16) -> None:
         super().__init__()
@@ -43,7 +46,7 @@ class ByHand(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # (B, S, D) each
         weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)  # (B, S, S)
-        return (weights @ v).square().mean()
+        return (weights @ v).square().mean() + weights.square().mean()
 
 
 def _model(name: str):
