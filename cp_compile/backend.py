@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Union
 
 import torch
 import torch.fx as fx
@@ -35,7 +35,7 @@ from .passes.repropagate import repropagate
 from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
 from .passes.seq_origins import choose_seq_origins
 from .passes.unsplit import find_unsplit_attention
-from .record import GraphRecord, record_graph
+from .record import GraphRecord, record_graph, warn_whole_sequence
 from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
@@ -107,6 +107,7 @@ class RingCP:
         self.fallbacks: List[str] = []  # every gather to the full sequence, with its source line
         self.no_attention: List[fx.GraphModule] = []  # graphs compiled without a rewrite (see grad_share)
         self.records: List[GraphRecord] = []  # per compiled graph: what CP it got (cp_compile.record)
+        self._seq_lens: Set[int] = set()  # sequence lengths of the graphs rewritten so far
 
     def __call__(
         self, gm: fx.GraphModule, example_inputs: List[torch.Tensor], mode: Optional[str] = None,
@@ -129,6 +130,8 @@ class RingCP:
             if shared is None:
                 log.info("cp_compile: no attention in this graph: compiling it unchanged")
             compiled = inner(shared if shared is not None else gm, example_inputs)
+            if not ctx.unsplit:  # sequence-long activations in a graph without attention: say so
+                warn_whole_sequence(gm, example_inputs, self._seq_lens, ctx.record)
             self.no_attention.append(gm)
             self.records.append(ctx.record)
         else:
@@ -137,6 +140,7 @@ class RingCP:
             self.graphs.append(new_gm)
             self.fallbacks.extend(ctx.fallbacks)
             self.records.append(ctx.record)
+            self._seq_lens.add(ctx.seq_len)
         if opts.outputs == "local" and opts.inputs == "full":
             names = [user_name(n) for n in gm.graph.find_nodes(op="placeholder")]
             compiled = guard_local_shards(compiled, ctx.local_outputs, names)

@@ -37,6 +37,7 @@ class GraphRecord:
     shard_nodes: Dict[str, int] = field(default_factory=dict)  # where the sequence arises -> dim
     fallbacks: List[str] = field(default_factory=list)  # ops run on the gathered sequence, with their lines
     unsplit: List[str] = field(default_factory=list)  # attention in a form ring_cp cannot split
+    whole_inputs: List[str] = field(default_factory=list)  # no attention, yet sequence-long inputs (runtime only)
     act_bytes_local: int = 0  # every intermediate tensor of the rewritten graph, this rank
     act_bytes_global: int = 0  # the same for the original graph on one device
 
@@ -51,6 +52,13 @@ class GraphRecord:
 
     def summary(self) -> str:
         """One line: attention, where sharding starts, fallbacks and the sharded fraction."""
+        if not self.attention:
+            what = "no attention: compiled unchanged, every rank runs it whole"
+            if self.unsplit:
+                what += f"; {len(self.unsplit)} attention(s) in a form ring_cp cannot split"
+            if self.whole_inputs:
+                what += f"; takes sequence-long inputs {', '.join(self.whole_inputs)}"
+            return what
         starts = [f"input {k} (dim {d})" for k, d in self.shard_inputs.items()]
         starts += [f"{k} (dim {d})" for k, d in self.shard_nodes.items()]
         return (f"{self.rings} of {len(self.attention)} attention(s) became ring attention; sharded from "
@@ -75,6 +83,29 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
         rec.act_bytes_local = rec.act_bytes_global
     _warn_if_low(rec)
     return rec
+
+
+def warn_whole_sequence(gm: fx.GraphModule, example_inputs: List[object], seq_lens: Set[int],
+                        rec: GraphRecord) -> None:
+    """A graph without attention that takes activations as long as a sequence an earlier graph
+    of this backend split (the logits after a graph break, say) runs on the whole sequence on
+    every rank: record those inputs in ``rec.whole_inputs`` and log a WARNING once per graph."""
+    from .passes.seq_inputs import is_parameter_like
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, ex in zip(placeholders, example_inputs):
+        if isinstance(ex, torch.Tensor) and not is_parameter_like(node, ex) \
+                and any(isinstance(d, int) and d in seq_lens for d in ex.shape):
+            rec.whole_inputs.append(f"{user_name(node)} {tuple(ex.shape)}")
+    first = next((n for n in gm.graph.nodes if n.op in ("call_function", "call_method")), None)
+    key = source_line(first) if first is not None else gm.__class__.__name__
+    if not rec.whole_inputs or key in _warned:
+        return
+    _warned.add(key)
+    log.warning("cp_compile: the graph starting at %s has no attention but takes %s, as long as a sequence an "
+                "earlier graph split: every rank runs it on the whole sequence (usually the code after a graph "
+                "break, e.g. a loss). Fix: remove the graph break (fullgraph=True shows it), or compute this "
+                "part inside the compiled model.", key, ", ".join(rec.whole_inputs))
 
 
 def _warn_if_low(rec: GraphRecord) -> None:

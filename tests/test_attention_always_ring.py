@@ -76,6 +76,7 @@ def _compare(seq_len: int) -> dict:
         "grad": max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())),
         "rings": sum(t is torch.ops.cp_compile.ring_attention_fwd.default for t in targets),
         "sdpa": sum(t is F.scaled_dot_product_attention for t in targets),
+        "fallbacks": len(backend.fallbacks),
     }
 
 
@@ -84,6 +85,7 @@ def test_attention_on_whole_values_becomes_the_ring(ranks, world: int, seq_len: 
     for rank, r in enumerate(ranks.run(world, _compare, seq_len, timeout=240)):
         assert r["loss"] <= TOL and r["grad"] <= TOL, (rank, r)
         assert r["rings"] == 2 and r["sdpa"] == 0, (rank, r)  # both attentions: the ring, none whole
+        assert r["fallbacks"] == 0, (rank, r)  # nothing gathered to the whole sequence
 
 
 def test_explain_shows_where_the_sequence_arises() -> None:

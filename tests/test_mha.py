@@ -14,10 +14,12 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_compile
+from checks import explain_record
 
 TOL = 1e-5
 VOCAB, DIM, HEADS, SEQ = 64, 32, 4, 16
@@ -108,10 +110,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _run(name: str, strict: bool = False) -> dict:
-    """On every rank: loss / gradient errors vs one process, ring ops, fallbacks, warnings."""
+def _run(name: str, strict: bool = False, explain: bool = False) -> dict:
+    """On every rank: loss / gradient errors vs one process, ring ops, fallbacks, warnings.
+    ``explain``: also check that cp-compile explain's record is the runtime's (it logs the
+    same warnings first, once per line, so the warning tests leave it off)."""
     torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
+    explained = explain_record(ref_model, inputs, world_size=dist.get_world_size()) if explain else None
     ref = ref_model(*inputs)
     ref.backward()
     records: list = []
@@ -127,6 +132,8 @@ def _run(name: str, strict: bool = False) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
         logger.removeHandler(handler)
+    if explain:
+        assert backend.records == [explained], (backend.records, explained)
     params = zip(cp_model.named_parameters(), ref_model.parameters())
     grad_errs = {name: _rel(p.grad, q.grad) for (name, p), q in params}
     targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
@@ -145,7 +152,7 @@ CASES = [("causal_lm", 2, 2), ("causal_lm", 4, 2), ("padded_seq_first", 2, 1), (
 
 @pytest.mark.parametrize("name,world,attentions", CASES)
 def test_mha_becomes_ring_attention(ranks, name: str, world: int, attentions: int) -> None:
-    for rank, r in enumerate(ranks.run(world, _run, name, timeout=240)):
+    for rank, r in enumerate(ranks.run(world, _run, name, False, True, timeout=240)):
         assert "error" not in r, (rank, r)
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, (rank, r)
         assert r["ring"] == attentions and r["mha_left"] == 0, (rank, r)

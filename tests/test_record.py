@@ -85,3 +85,31 @@ def _resharded(seq_len: int) -> tuple:
 def test_a_resharded_fallback_is_exact(ranks, world: int, seq_len: int) -> None:
     for rank, (loss_err, grad_err, fallbacks) in enumerate(ranks.run(world, _resharded, seq_len, timeout=240)):
         assert loss_err <= 1e-5 and grad_err <= 1e-5 and fallbacks == 1, (rank, loss_err, grad_err, fallbacks)
+
+
+def _break_before_head() -> dict:
+    """The example Llama with a graph break before its final norm and head: the second graph
+    has no attention and takes the whole (B, S, D) hidden states."""
+    torch._dynamo.reset()
+    (ref_model, inputs), (cp_model, _) = (models.llama_factory(graph_break_before_head=True) for _ in range(2))
+    records: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("cp_compile").addHandler(handler)
+    try:
+        backend = __import__("cp_compile").RingCP(inner="aot_eager")
+        out = torch.compile(cp_model, backend=backend)(*inputs)
+    finally:
+        logging.getLogger("cp_compile").removeHandler(handler)
+    err = ((out.double() - ref_model(*inputs).double()).abs() / out.double().abs()).item()
+    plain = [r for r in backend.records if not r.attention]
+    return {"err": err, "whole": [r.whole_inputs for r in plain], "summary": [r.summary() for r in plain],
+            "warnings": [r.getMessage() for r in records if "has no attention but takes" in r.getMessage()]}
+
+
+def test_a_graph_after_a_break_that_runs_whole_is_reported(ranks) -> None:
+    for rank, r in enumerate(ranks.run(2, _break_before_head, timeout=240)):
+        assert r["err"] <= 1e-5, (rank, r)
+        assert len(r["whole"]) == 1 and r["whole"][0] and "(2, 64, " in r["whole"][0][0], (rank, r)
+        assert "takes sequence-long inputs" in r["summary"][0], (rank, r)
+        assert len(r["warnings"]) == 1 and "models.py:" in r["warnings"][0] and "Fix:" in r["warnings"][0], (rank, r)
