@@ -8,7 +8,8 @@ record explain prints, to compare with the backend's ``RingCP.records``.
 
 from __future__ import annotations
 
-from typing import Any, List
+import contextlib
+from typing import Any, Iterator, List
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -57,3 +58,20 @@ def loss_through_ring_cp(ref_model: torch.nn.Module, cp_model: torch.nn.Module, 
     out.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     return ref, out, backend
+
+
+@contextlib.contextmanager
+def cp_compile_warnings() -> Iterator[List[str]]:
+    """Within: the messages of every WARNING the ``cp_compile`` logger emits, in order (on a
+    rank worker, where pytest's caplog does not reach)."""
+    import logging
+
+    messages: List[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("cp_compile")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

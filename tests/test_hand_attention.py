@@ -9,7 +9,6 @@ weights are used elsewhere the code is left as written and the unsplit warning n
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import loss_through_ring_cp
+from checks import cp_compile_warnings, loss_through_ring_cp
 
 TOL = 1e-5
 
@@ -183,18 +182,11 @@ def _warned(name: str) -> dict:
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
     import cp_compile
 
-    records: list = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("cp_compile")
-    logger.addHandler(handler)
-    try:
+    with cp_compile_warnings() as warnings:
         backend = cp_compile.RingCP(inner="aot_eager")
         out = torch.compile(cp_model, backend=backend)(*inputs)
-    finally:
-        logger.removeHandler(handler)
     return {"err": _rel(out.detach(), ref_model(*inputs).detach()), "graphs": len(backend.graphs),
-            "warnings": [r.getMessage() for r in records]}
+            "warnings": warnings}
 
 
 def test_weights_used_elsewhere_stay_as_written(ranks) -> None:

@@ -12,13 +12,13 @@ from the same pass. The numbers stay the single-device ones.
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
 import torch.nn as nn
 
 import cp_compile
+from checks import cp_compile_warnings
 
 TOL = 1e-5
 
@@ -58,20 +58,14 @@ def _run(name: str, strict: bool) -> dict:
     """On every rank: the warnings logged, the loss error against one process (or the refusal)."""
     torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
-    records: list = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("cp_compile")
-    logger.addHandler(handler)
-    try:
-        out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager", strict=strict))(*inputs)
-    except Exception as e:  # Dynamo wraps backend errors
-        return {"error": f"{type(e).__name__}: {e}"}
-    finally:
-        logger.removeHandler(handler)
+    with cp_compile_warnings() as warnings:
+        try:
+            out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager", strict=strict))(*inputs)
+        except Exception as e:  # Dynamo wraps backend errors
+            return {"error": f"{type(e).__name__}: {e}"}
     ref = ref_model(*inputs)
     err = ((out.double() - ref.double()).abs() / ref.double().abs()).item()
-    return {"warnings": [r.getMessage() for r in records], "err": err}
+    return {"warnings": warnings, "err": err}
 
 
 NAMES = ["nn.MultiheadAttention weights", "hand-written"]

@@ -38,7 +38,6 @@ attention. Not covered: the eval-mode fast paths (``torch._native_multi_head_att
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import operator
 from typing import Any, Dict, Optional, Set, Tuple
@@ -46,9 +45,9 @@ from typing import Any, Dict, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._dispatch.python import enable_python_dispatcher
 
 from .context import CPRewriteError, RewriteContext, fake_value, log, source_line
+from .fake_emit import FakeEmitter
 
 MHA = F.multi_head_attention_forward
 _PARAMS = inspect.signature(MHA)
@@ -131,39 +130,7 @@ def _refuse(node: fx.Node, why: str, ctx: RewriteContext) -> None:
         log.warning(msg)
 
 
-class _Emit:
-    """Creates nodes before ``anchor``, each with the anchor's stack trace and a fake value."""
-
-    def __init__(self, graph: fx.Graph, anchor: fx.Node) -> None:
-        self.graph, self.anchor = graph, anchor
-        # the inputs' own fake mode (another one fails with "Mixing fake modes", cf. repropagate.py)
-        self.mode = getattr(fake_value(anchor.args[0]), "fake_mode", None)
-
-    def fn(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self._node("call_function", target, args, kwargs)
-
-    def method(self, name: str, *args: Any, **kwargs: Any) -> fx.Node:
-        return self._node("call_method", name, args, kwargs)
-
-    def size(self, x: fx.Node, dim: int) -> Any:
-        """``x.shape[dim]``: an int, or a ``size`` node when it is symbolic."""
-        d = fake_value(x).shape[dim]
-        return d if isinstance(d, int) else self.method("size", x, dim)
-
-    def _node(self, op: str, target: Any, args: tuple, kwargs: dict) -> fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.create_node(op, target, args, kwargs)
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
-        fargs, fkwargs = fx.node.map_arg((args, kwargs), fake_value)
-        with self.mode or contextlib.nullcontext(), enable_python_dispatcher():
-            node.meta["example_value"] = (target(*fargs, **fkwargs) if op == "call_function"
-                                          else getattr(fargs[0], target)(*fargs[1:], **fkwargs))
-        return node
-
-
-def _in_projection(em: _Emit, a: Dict[str, Any]) -> Tuple[fx.Node, fx.Node, fx.Node]:
+def _in_projection(em: FakeEmitter, a: Dict[str, Any]) -> Tuple[fx.Node, fx.Node, fx.Node]:
     """q, k, v (L, N, E) each, as ``_in_projection_packed`` / ``_in_projection`` compute them."""
     x, bias = a["query"], a["in_proj_bias"]
     if not a["use_separate_proj_weight"]:
@@ -178,7 +145,7 @@ def _in_projection(em: _Emit, a: Dict[str, Any]) -> Tuple[fx.Node, fx.Node, fx.N
     return tuple(em.fn(F.linear, x, w, b) for w, b in zip(weights, biases))  # type: ignore[return-value]
 
 
-def _canonical(em: _Emit, mask: Optional[fx.Node], dtype: torch.dtype) -> Optional[fx.Node]:
+def _canonical(em: FakeEmitter, mask: Optional[fx.Node], dtype: torch.dtype) -> Optional[fx.Node]:
     """``F._canonical_mask``: a bool mask -> additive, -inf where True (same dtype as q)."""
     if mask is None or fake_value(mask).dtype != torch.bool:
         return mask
@@ -186,7 +153,7 @@ def _canonical(em: _Emit, mask: Optional[fx.Node], dtype: torch.dtype) -> Option
     return em.method("masked_fill", as_float, mask, float("-inf"))  # -inf where True, 0.0 elsewhere
 
 
-def _mask(em: _Emit, a: Dict[str, Any], heads: int) -> Tuple[Optional[fx.Node], bool]:
+def _mask(em: FakeEmitter, a: Dict[str, Any], heads: int) -> Tuple[Optional[fx.Node], bool]:
     """SDPA's (attn_mask, is_causal), merged as multi_head_attention_forward merges them.
 
     attn_mask (L, S) stays 2-D (SDPA broadcasts it as torch's (1, 1, L, S)); (N*H, L, S)
@@ -211,7 +178,7 @@ def _mask(em: _Emit, a: Dict[str, Any], heads: int) -> Tuple[Optional[fx.Node], 
 
 def _expand(graph: fx.Graph, node: fx.Node, a: Dict[str, Any]) -> None:
     """Emit the plain ops before ``node``, reroute ``node[0]``'s users, erase ``node``."""
-    em = _Emit(graph, node)
+    em = FakeEmitter(graph, node, node.args[0])
     embed, heads = a["embed_dim_to_check"], a["num_heads"]
     head_dim = embed // heads
     batch = em.size(a["query"], 1)

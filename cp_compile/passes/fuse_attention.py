@@ -41,7 +41,6 @@ key is masked, which a hand-written softmax spreads uniformly and SDPA does not.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from dataclasses import dataclass, field
@@ -50,10 +49,10 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .context import RewriteContext, fake_value, log, source_line
+from .fake_emit import FakeEmitter
 
 _MATMUL_FUNCS = {operator.matmul, torch.matmul, torch.bmm}
 _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
@@ -323,38 +322,7 @@ def _causal(m: _Match, seq: Any) -> Optional[List[fx.Node]]:
 
 
 # -- the rewrite ------------------------------------------------------------------------------
-class _Emit:
-    """Creates nodes before ``anchor`` with its stack trace and a fake value; can undo them."""
-
-    def __init__(self, graph: fx.Graph, anchor: fx.Node, like: fx.Node) -> None:
-        self.graph, self.anchor, self.created = graph, anchor, []
-        self.mode = getattr(fake_value(like), "fake_mode", None)  # the inputs' own fake mode
-
-    def fn(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self._node("call_function", target, args, kwargs)
-
-    def method(self, name: str, *args: Any, **kwargs: Any) -> fx.Node:
-        return self._node("call_method", name, args, kwargs)
-
-    def _node(self, op: str, target: Any, args: tuple, kwargs: dict) -> fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.create_node(op, target, args, kwargs)
-        self.created.append(node)
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
-        fargs, fkwargs = fx.node.map_arg((args, kwargs), fake_value)
-        with self.mode or contextlib.nullcontext(), enable_python_dispatcher():
-            node.meta["example_value"] = (target(*fargs, **fkwargs) if op == "call_function"
-                                          else getattr(fargs[0], target)(*fargs[1:], **fkwargs))
-        return node
-
-    def undo(self) -> None:
-        for node in reversed(self.created):
-            self.graph.erase_node(node)
-
-
-def _key(em: _Emit, kt: fx.Node) -> fx.Node:
+def _key(em: FakeEmitter, kt: fx.Node) -> fx.Node:
     """k (..., S, D) from ``kT`` (..., D, S): the transpose's input when kT is one, else kT transposed."""
     nd, given = _tensor(kt).dim(), kt
     while _is(kt, {"contiguous", "clone"}) and len(kt.args) == 1 and not kt.kwargs:  # (k.transpose(..)).contiguous()
@@ -373,7 +341,7 @@ def _key(em: _Emit, kt: fx.Node) -> fx.Node:
     return em.method("transpose", given, -2, -1)
 
 
-def _mask(em: _Emit, m: _Match) -> Optional[fx.Node]:
+def _mask(em: FakeEmitter, m: _Match) -> Optional[fx.Node]:
     """The one attn_mask of all the masks (see the module docstring)."""
     keep = [mask if kept else em.fn(operator.invert, mask) for mask, kept in m.keep]
     if not m.additive:
@@ -391,7 +359,7 @@ def _mask(em: _Emit, m: _Match) -> Optional[fx.Node]:
 
 def _replace(graph: fx.Graph, m: _Match) -> bool:
     """Emit SDPA before the final matmul, reroute its users, erase the dead chain."""
-    em = _Emit(graph, m.out, m.q)
+    em = FakeEmitter(graph, m.out, m.q)
     q = _tensor(m.q)
     three_d = q.dim() == 3
     causal_nodes = _causal(m, q.shape[-2])
