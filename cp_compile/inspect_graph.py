@@ -298,8 +298,8 @@ def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, befor
     return Report(world_size, load_balance, before, after, ctx, input_names, before_rows, after_rows, attention,
                   ring_masks(after, [n for n, _ in attention]) if rewritten else [], shard_inputs, fallbacks,
                   collectives(after, world_size, gathers) if rewritten else [],
-                  activation_bytes(after, "val") if rewritten else activation_bytes(before, "example_value"),
-                  activation_bytes(before, "example_value"), aot_forward, aot_backward)
+                  ctx.record.act_bytes_local, ctx.record.act_bytes_global,  # counted once, by rewrite_for_cp
+                  aot_forward, aot_backward)
 
 
 def _fallbacks(before: fx.GraphModule, after: fx.GraphModule,
