@@ -3,7 +3,7 @@
 Both run in one process with no process group. TARGET (``path/to/file.py:factory``) is
 a function returning ``(model, args)``, ``(model, kwargs)`` or ``(model, args, kwargs)``
 (:mod:`cp_compile.targets`); the model is called as ``model(*args, **kwargs)``, traced by
-Dynamo once and rewritten for a synthetic CP group of ``--world-size`` ranks (rank 0
+Dynamo once and rewritten for a synthetic CP group of ``--world-size`` ranks (``--rank``, default 0
 shown). The logic is in :mod:`cp_compile.inspect_graph` (per-rank costs:
 :mod:`cp_compile.inspect_cost`). Exit codes: 0 ok; 2 bad TARGET or arguments; 1 the
 model cannot be traced as one graph or rewritten (the message names the fix).
@@ -45,7 +45,7 @@ DUMP_EXAMPLES = f"""examples:
 
 Nodes marked * were inserted or rewritten by ring_cp; kinds: ring_attention, shard (indexed by
 this rank's positions), gather (a fallback to the full sequence), grad_all_reduce(_bucket),
-all_reduce_sum, grad_scale. Shapes of the rewritten graph read global -> local (rank 0).
+all_reduce_sum, grad_scale. Shapes of the rewritten graph read global -> local (rank --rank, default 0).
 Exit codes: 0 ok, 2 bad TARGET or arguments, 1 the model cannot be traced or rewritten.
 """
 
@@ -88,6 +88,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_seq_len, default=None, metavar="S",
                    help="passed to the factory as seq_len=S (default: the factory's own)")
     p.add_argument("--load-balance", choices=LOAD_BALANCES, default="zigzag")
+    p.add_argument("--rank", type=_int_at_least("--rank", 0), default=0, metavar="R",
+                   help="whose graph to show (default 0); ranks differ where the sequence is assembled in the model")
 
 
 def add_dump_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -136,8 +138,8 @@ def _report(args: argparse.Namespace, aot: bool = False):
         return None, 2
     try:
         return inspect(model, example_args, args.world_size, args.load_balance, aot=aot,
-                       example_kwargs=example_kwargs), 0
-    except (CPRewriteError, InspectError) as e:
+                       example_kwargs=example_kwargs, rank=args.rank), 0
+    except (CPRewriteError, InspectError, ValueError) as e:
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 1
 

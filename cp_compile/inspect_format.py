@@ -36,7 +36,7 @@ def format_explain(r: Report, target: str = "") -> str:
     fallbacks, collectives per step and the activation-memory estimate."""
     ctx = r.ctx
     head = f"cp-compile explain {target}".rstrip()
-    lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank 0 shown), load balance {r.load_balance}"]
+    lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank {ctx.group.rank} shown), load balance {r.load_balance}"]
     if not r.attention:
         lines.append("attention: none found. The ring_cp backend compiles this graph unchanged "
                      "(nothing is split by sequence).")
@@ -104,7 +104,7 @@ def format_dump_text(r: Report, target: str = "") -> str:
     lines.append("")
     if r.rewritten:
         lines.append(f"== after: rewritten for {r.world_size} ranks ({len(r.after_rows)} nodes), "
-                     "global shape -> local shape (rank 0)")
+                     f"global shape -> local shape (rank {r.ctx.group.rank})")
         lines += format_rows(r.after_rows, after=True)
     else:
         lines.append("== after: unchanged (no attention in the graph)")

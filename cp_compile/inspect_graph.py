@@ -3,8 +3,8 @@
 No process group is needed: the model is traced once by Dynamo with a capturing
 backend, and the ``ring_cp`` passes (find_attention -> choose_seq_inputs ->
 resolve_candidates -> rewrite_graph -> repropagate, as in ``RingCP.__call__``) run on
-a copy of the graph for a synthetic CP group ``CPGroup(pg=None, rank=0, size=N)``.
-The rewritten graph is never run; its nodes carry ``meta["val"]`` (rank 0's local
+a copy of the graph for a synthetic CP group ``CPGroup(pg=None, rank=r, size=N)``.
+The rewritten graph is never run; its nodes carry ``meta["val"]`` (rank r's local
 fake value) and, for nodes copied from the original graph, ``meta["cp_global_val"]``.
 
 The passes run *inside* the capture callback: Dynamo drops the placeholders'
@@ -70,7 +70,7 @@ class FallbackInfo:
 
 @dataclass
 class Report:
-    """Everything dump and explain show about one rewrite (per-rank figures for rank 0)."""
+    """Everything dump and explain show about one rewrite (per-rank figures for ``ctx.group.rank``)."""
 
     world_size: int
     load_balance: str
@@ -98,11 +98,12 @@ class Report:
 
 def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int = 2,
             load_balance: str = "zigzag", aot: bool = False, example_kwargs: Optional[Dict[str, Any]] = None,
-            **opts: Any) -> Report:
+            rank: int = 0, **opts: Any) -> Report:
     """Trace ``model(*example_inputs, **example_kwargs)`` with Dynamo and rewrite it for a CP group
     of ``world_size`` (the forms a ``cp-compile`` factory returns: :func:`cp_compile.targets.example_inputs`).
 
-    ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs, inputs,
+    ``rank``: whose graph to show (ranks differ where the sequence is assembled inside the
+    graph: each takes its own rows of the pieces). ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs, inputs,
     outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
     AOTAutograd (fake tensors only) into the forward and backward graphs the inner
     compiler would get. Resets Dynamo's caches first (each call traces anew).
@@ -113,7 +114,9 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
         raise ValueError(f"cp_compile: world_size must be an int >= 2 (a CP group of 1 is not rewritten), "
                          f"got {world_size!r}.")
     check_choice("load_balance", load_balance, LOAD_BALANCES)
-    ctx = RewriteContext(group=CPGroup(pg=None, rank=0, size=world_size), load_balance=load_balance, **opts)
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"cp_compile: rank must be in [0, {world_size}), got {rank!r}.")
+    ctx = RewriteContext(group=CPGroup(pg=None, rank=rank, size=world_size), load_balance=load_balance, **opts)
     state: Dict[str, Any] = {}
 
     def capture(gm: fx.GraphModule, ex: List[Any]) -> Callable:

@@ -33,12 +33,17 @@ def _tensors(tree: Any) -> List[torch.Tensor]:
 
 
 def explain_record(model: torch.nn.Module, args: tuple = (), kwargs: Any = None, world_size: int = 2,
-                   **options: Any) -> Any:
-    """The :class:`cp_compile.record.GraphRecord` that ``cp-compile explain`` prints for ``model``
-    (one graph, traced without a process group). Resets Dynamo: call it before compiling."""
+                   rank: Any = None, **options: Any) -> Any:
+    """The :class:`cp_compile.record.GraphRecord` that ``cp-compile explain --rank R`` prints for
+    ``model`` (one graph, traced without a process group; R: this process's rank when a process
+    group is up, else 0). Resets Dynamo: call it before compiling."""
+    import torch.distributed as dist
+
     from cp_compile.inspect_graph import inspect
 
-    return inspect(model, args, world_size=world_size, example_kwargs=kwargs, **options).ctx.record
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    return inspect(model, args, world_size=world_size, example_kwargs=kwargs, rank=rank, **options).ctx.record
 
 
 def loss_through_ring_cp(ref_model: torch.nn.Module, cp_model: torch.nn.Module, inputs: tuple, **options: Any):

@@ -111,7 +111,7 @@ def test_oracle_errors_mean_fallback(monkeypatch) -> None:
         raise RuntimeError("boom")
 
     oracle._CACHE.clear()
-    monkeypatch.setattr(oracle, "_trace", broken)
+    monkeypatch.setattr(oracle, "trace", broken)
     report = _report(PER_TOKEN["erf"][0])
     assert len(report.ctx.fallbacks) == 1 and "erf is not known to be per-token" in report.ctx.fallbacks[0]
     oracle._CACHE.clear()

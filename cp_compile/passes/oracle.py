@@ -17,21 +17,23 @@ chunk. A whole (Replicate) input of the node that the propagator wants as Shard(
 (a per-position table meeting a sharded value) is allowed when it has size S along d:
 it is indexed by this rank's positions (``em.to_sharded``), as the pointwise rule does.
 A few ATen ops whose DTensor strategy is more conservative than needed (``flip`` over
-other dims) have a one-line rule in :data:`_EXTRA`.
+other dims) have a one-line rule in :data:`.oracle_aten._EXTRA`; the ATen-level walk
+itself lives in :mod:`.oracle_aten`.
 
 If the whole decomposition is per-token, the *original* node is emitted on the local
 values (not the ATen graph), with layout ``Sharded(out_dim)``; else :func:`decide`
 returns None and the caller gathers. Verdicts are cached per (target, argument
 structure, shapes, sharded dims), so repeated layers cost one trace. The oracle never
 raises: any exception means "don't know" (logged at DEBUG), i.e. the fallback.
+
+The same question asked backwards, :func:`rows_from_inputs` ("which inputs carry the rows
+of this output?"), lets :mod:`.row_select` move a row selection above a node.
 """
 
 from __future__ import annotations
 
-import functools
-import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -39,6 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .context import fake_value, global_shape, log
 from .layouts import Sharded
+from .oracle_aten import hint as _hint
+from .oracle_aten import propagate, trace
 
 if TYPE_CHECKING:
     from .rewrite import Emitter
@@ -104,30 +108,33 @@ def _key(em: "Emitter", node: fx.Node) -> Optional[Any]:
     dims = _seq_dims(em, node)
     if dims is None:
         return None
+    try:
+        return (node.op, node.target, _structure(node, dims), em.ctx.world, em.ctx.seq_len)
+    except TypeError:
+        return None
+
+
+def _structure(node: fx.Node, dims: Optional[List[Optional[int]]] = None) -> Any:
+    """``node``'s argument structure for a cache key: tree spec, then per leaf its kind and
+    shape/dtype/device (tensors, with the sequence dim from ``dims``) or value (constants)."""
     leaves, spec = _leaves(node)
     parts = []
-    for a, d in zip(leaves, dims):
+    for i, a in enumerate(leaves):
         val = fake_value(a) if isinstance(a, fx.Node) else a
         if isinstance(val, torch.Tensor):
-            parts.append(("T", global_shape(a), val.dtype, str(val.device), d))
+            parts.append(("T", global_shape(a), val.dtype, str(val.device), dims[i] if dims else None))
         elif isinstance(val, (int, float, bool, str, type(None), torch.dtype, torch.device)):
             parts.append(("C", type(val).__name__, val))
         elif isinstance(val, torch.SymInt):
             parts.append(("C", "int", _hint(val)))
         else:
-            return None
-    return (node.op, node.target, str(spec), tuple(parts), em.ctx.world, em.ctx.seq_len)
+            raise TypeError(f"argument of type {type(val).__name__}")
+    return str(spec), tuple(parts)
 
 
 def _in_place(node: fx.Node) -> bool:
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
-
-
-def _hint(v: Any) -> Any:
-    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
-
-    return guarding_hint_or_throw(v) if isinstance(v, torch.SymInt) else v
 
 
 def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
@@ -138,14 +145,14 @@ def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
     if any(type(v) is int and v in (S, em.ctx.padded_len) for v in values):
         return None  # a length baked into the arguments would be wrong on the local values
     tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    graph = _trace(node, values, spec, tensors)
+    graph = trace(node, values, spec, tensors)
     if graph is None:
         return None
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     seq = {p: dims[i] for p, i in zip(placeholders, tensors) if dims[i] is not None}
     whole = {p: i for p, i in zip(placeholders, tensors) if dims[i] is None}
     for _ in range(len(whole) + 1):  # each round may shard one more whole input, then re-runs
-        out, want = _propagate(graph, seq, em.ctx.world)
+        out, want = propagate(graph, seq, em.ctx.world)
         if want is None:
             return _finish(out, graph, seq, whole, S)
         p, d = want
@@ -177,166 +184,6 @@ def _finish(out: Any, graph: fx.GraphModule, seq: Dict[fx.Node, int], whole: Dic
     return Verdict(layouts[0] if single else tuple(layouts), index)
 
 
-def _trace(node: fx.Node, values: List[Any], spec: Any, tensors: List[int]) -> Optional[fx.GraphModule]:
-    """The node alone as an ATen graph, on static fake inputs of the global shapes.
-
-    The fakes are made in the example values' own fake mode (Dynamo's: tracing inside a
-    backend finds it through the tracing context, and another mode would be "Mixing fake
-    modes"), with concrete sizes, so no guard is added to Dynamo's shape environment."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    mode = detect_fake_mode([values[i] for i in tensors])
-    if mode is None:
-        return None
-    with mode:
-        fakes = [torch.empty_strided(tuple(map(_hint, v.shape)), tuple(map(_hint, v.stride())), dtype=v.dtype,
-                                     device=v.device) for v in (values[i] for i in tensors)]
-
-    def fn(*ts: torch.Tensor) -> Any:
-        leaves = list(values)
-        for i, t in zip(tensors, ts):
-            leaves[i] = t
-        args, kwargs = tree_unflatten(leaves, spec)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
-
-    with torch.no_grad():
-        return make_fx(fn, tracing_mode="fake")(*fakes)
-
-
-# ----------------------------------------------------------------------------- ATen propagation
-class _Stop(Exception):
-    """Propagation cannot keep the sequence sharded (a token-mixing ATen op)."""
-
-
-class _Want(Exception):
-    """A whole placeholder must be Shard(dim) for an op to stay per-token."""
-
-    def __init__(self, node: fx.Node, dim: int) -> None:
-        super().__init__(node.name, dim)
-        self.node, self.dim = node, dim
-
-
-@functools.lru_cache(maxsize=None)
-def _mesh(world: int) -> Any:
-    """A 1-D DeviceMesh of ``world`` ranks, built without a process group (propagation only)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh("cpu", torch.arange(world), _init_backend=False, _rank=0)
-
-
-def _propagate(graph: fx.GraphModule, seq: Dict[fx.Node, int], world: int) -> Tuple[Any, Optional[Tuple]]:
-    """Placements of the graph's outputs, or ``(None, (placeholder, dim))`` when a whole
-    placeholder must be sharded, or ``(None, None)`` when some op mixes tokens."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    place: Dict[fx.Node, Any] = {}
-    try:
-        for n in graph.graph.nodes:
-            if n.op == "placeholder":
-                place[n] = Shard(seq[n]) if n in seq else Replicate()
-            elif n.op == "get_attr":
-                place[n] = Replicate()
-            elif n.op == "call_function":
-                place[n] = _step(n, place, _mesh(world))
-            elif n.op == "output":
-                return fx.node.map_aggregate(n.args[0], lambda a: place.get(a) if isinstance(a, fx.Node) else None), None
-    except _Want as w:
-        return None, (w.node, w.dim)
-    except _Stop as e:
-        log.debug("cp_compile: rule oracle: %s", e)
-    return None, None
-
-
-def _step(n: fx.Node, place: Dict[fx.Node, Any], mesh: Any) -> Any:
-    """The output placement(s) of one ATen node given its inputs' placements."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    ins = [a for a in n.all_input_nodes]
-    if all(isinstance(place.get(a), Replicate) or place.get(a) is None for a in ins):
-        return _replicate_like(n)
-    if n.target is operator.getitem:
-        return place[n.args[0]][n.args[1]]
-    if not isinstance(n.target, torch._ops.OpOverload):
-        raise _Stop(f"{n.target} on a sharded value")
-    if torch.Tag.nondeterministic_seeded in n.target.tags:
-        raise _Stop(f"{n.target} draws random numbers: per-rank draws differ from one process's")
-    extra = _EXTRA.get(n.target)
-    if extra is not None:
-        return extra(n, place)
-    return _dtensor_step(n, place, mesh, Shard)
-
-
-def _replicate_like(n: fx.Node) -> Any:
-    from torch.distributed.tensor import Replicate
-
-    val = n.meta.get("val")
-    return tuple(Replicate() for _ in val) if isinstance(val, (tuple, list)) else Replicate()
-
-
-def _dtensor_step(n: fx.Node, place: Dict[fx.Node, Any], mesh: Any, Shard: type) -> Any:
-    """Ask DTensor's sharding propagator; refuse any redistribution of a sharded input."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._op_schema import OpSchema
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-
-    def spec(a: Any) -> Any:
-        if not isinstance(a, fx.Node):
-            return a
-        v = a.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            return v
-        return DTensorSpec(mesh, (place[a],), TensorMeta(v.shape, v.stride(), v.dtype))
-
-    args, kwargs = fx.node.map_aggregate((n.args, n.kwargs), spec)
-    schema = OpSchema(n.target, tuple(args), dict(kwargs), schema_info=prop.op_to_schema_info.get(n.target))
-    result = prop.propagate_op_sharding(schema)
-    if result.needs_redistribute and result.redistribute_schema is not None:
-        _check_redistribution(n, schema, result.redistribute_schema, Shard)
-    return fx.node.map_aggregate(result.output_spec, lambda s: s.placements[0] if s is not None else None)
-
-
-def _check_redistribution(n: fx.Node, given: Any, wanted: Any, Shard: type) -> None:
-    """Allowed: a whole *placeholder* asked to become Shard(d) (raised as :class:`_Want`)."""
-    from torch.distributed.tensor import Replicate
-
-    old_specs, new_specs = _flat_specs(given), _flat_specs(wanted)
-    nodes = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)
-             and isinstance(a.meta.get("val"), torch.Tensor)]
-    if len(old_specs) != len(new_specs) or len(nodes) != len(old_specs):
-        raise _Stop(f"{n.target}: unexpected redistribution schema")
-    for a, old, new in zip(nodes, old_specs, new_specs):
-        po, pn = old.placements[0], new.placements[0]
-        if po == pn:
-            continue
-        if isinstance(po, Replicate) and isinstance(pn, Shard) and a.op == "placeholder":
-            raise _Want(a, pn.dim)
-        raise _Stop(f"{n.target} needs {a.name} as {pn} (given {po})")
-
-
-def _flat_specs(schema: Any) -> List[Any]:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    return [s for s in tree_flatten((schema.args_schema, schema.kwargs_schema))[0] if isinstance(s, DTensorSpec)]
-
-
-def _flip(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
-    """``aten.flip(x, dims)``: per-token unless it reverses the sequence dim (DTensor replicates)."""
-    from torch.distributed.tensor import Shard
-
-    pl, nd = place[n.args[0]], n.args[0].meta["val"].dim()
-    if isinstance(pl, Shard) and pl.dim not in {d % nd for d in n.args[1]}:
-        return pl
-    raise _Stop("flip along the sequence dim")
-
-
-_EXTRA: Dict[Any, Callable[[fx.Node, Dict[fx.Node, Any]], Any]] = {torch.ops.aten.flip.default: _flip}
-
-
 # ----------------------------------------------------------------------------- emitting
 def _emit(em: "Emitter", node: fx.Node, verdict: Verdict) -> Tuple[fx.Node, Any]:
     """The original node on the local values; whole per-position inputs indexed by position."""
@@ -346,3 +193,58 @@ def _emit(em: "Emitter", node: fx.Node, verdict: Verdict) -> Tuple[fx.Node, Any]
            for i, a in enumerate(leaves)]
     args, kwargs = tree_unflatten(new, spec)
     return em.copy(node, tuple(args), dict(kwargs)), verdict.out
+
+
+# ----------------------------------------------------------------------------- backwards (row selection)
+def rows_from_inputs(node: fx.Node, out_dim: int, length: int, world: int) -> Optional[Dict[int, int]]:
+    """Which inputs of ``node`` carry the rows of its output along ``out_dim`` (size ``length``).
+
+    The backward question of :func:`decide`, asked by :mod:`.row_select` to move a row
+    selection above ``node``: ``{flat argument position: dim}`` such that selecting those
+    rows of these inputs and running ``node`` gives the selected rows of its output; None
+    when ``node`` is not per-token along ``out_dim`` (or for any doubt). Cached like decide."""
+    try:
+        key = ("rows", node.op, node.target, _structure(node), out_dim, length, world)
+        if key not in _CACHE:
+            _CACHE[key] = _rows_verdict(node, out_dim, length, world)
+        return _CACHE[key]
+    except Exception as e:  # "don't know"
+        log.debug("cp_compile: rule oracle (rows) failed on %s (%s: %s)", node.name, type(e).__name__, e)
+        return None
+
+
+def _rows_verdict(node: fx.Node, out_dim: int, length: int, world: int) -> Optional[Dict[int, int]]:
+    if node.op not in ("call_function", "call_method") or _in_place(node):
+        return None
+    leaves, spec = _leaves(node)
+    values = [_hint(fake_value(a)) if isinstance(a, fx.Node) else a for a in leaves]
+    if any(type(v) is int and v == length for v in values):
+        return None  # the length baked into the arguments would be wrong for the selected rows
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    graph = trace(node, values, spec, tensors)
+    if graph is None:
+        return None
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    for p in placeholders:  # seed with each input dim of the right size; Want adds the others
+        for d, size in enumerate(p.meta["val"].shape):
+            if size == length:
+                found = _seeded(graph, {p: d}, out_dim, length, world)
+                if found is not None:
+                    return {tensors[placeholders.index(q)]: e for q, e in found.items()}
+    return None
+
+
+def _seeded(graph: fx.GraphModule, seq: Dict[fx.Node, int], out_dim: int, length: int,
+            world: int) -> Optional[Dict[fx.Node, int]]:
+    from torch.distributed.tensor import Shard
+
+    for _ in range(len(list(graph.graph.nodes))):
+        out, want = propagate(graph, seq, world)
+        if want is None:
+            ok = isinstance(out, Shard) and out.dim == out_dim
+            return dict(seq) if ok else None
+        p, d = want
+        if p in seq or tuple(p.meta["val"].shape)[d] != length:
+            return None
+        seq[p] = d
+    return None

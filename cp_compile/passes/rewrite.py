@@ -33,6 +33,7 @@ from .context import CPRewriteError, RewriteContext, global_shape, log, source_l
 from .find_attention import is_sdpa
 from .layouts import GLOBAL, Global, Layout, Sharded
 from .seq_inputs import is_parameter_like, refuse_unknown
+from .row_select import select_rows
 from .seqindex import SeqIndex
 
 
@@ -360,7 +361,7 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
             em.layouts[node] = GLOBAL
             if node.name in ctx.shard_nodes:  # the sequence arises here (seq_origins): shard it at once
                 dim = ctx.shard_nodes[node.name]
-                em.env[node], em.layouts[node] = em.to_sharded(node, dim), Sharded(dim)
+                em.env[node], em.layouts[node] = select_rows(em, node, dim), Sharded(dim)
         else:
             em.env[node], em.layouts[node] = apply_rule(em, node)
     _drop_unused_masks(em)

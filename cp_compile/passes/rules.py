@@ -10,7 +10,7 @@
 | addmm | addmm(bias, x, W) with tokens in x's rows (HF GPT-2 Conv1D) | Sharded(0) |
 | views | view/reshape (baked length rewritten to the local one), flatten, (un)squeeze, transpose/permute/movedim, expand, contiguous | Sharded(where d moves) |
 | split/join | chunk/split/unbind/cat/stack/repeat_interleave not along d; empty cat operands (HF's training KV cache) dropped | Sharded(d) |
-| getitem | ``...`` expanded; a slice covering all of d (``[:, 0:]``) | Sharded(d moved) |
+| getitem (rules_getitem.py) | ``...`` expanded; a slice covering all of d (``[:, 0:]``); one position ``x[:, i]`` (cls / last-token pooling) | Sharded(d moved); one position: picked on its rank, all-reduce -> Global |
 | size | ``x.size()`` / ``x.size(d)`` (dynamic shapes) | Global: the global sizes, S along d |
 | reductions | sum/mean over d | all-reduce -> Global (mean: / global count) |
 | attention | scaled_dot_product_attention on Sharded or whole q/k/v (whole: indexed by position) | ring_attention -> Sharded |
@@ -35,6 +35,7 @@ from .rewrite import Emitter
 from .rules_attention import attention_rule, loss_rules
 from .rules_complex import complex_rules
 from .rules_einsum import einsum_rules
+from .rules_getitem import getitem
 
 Rule = Callable[[Emitter, fx.Node], Tuple[Any, Any]]
 
@@ -244,56 +245,6 @@ def _is_empty(t: Any) -> bool:
     """A tensor operand with no elements (cat skips 1-D empties and adds nothing for others)."""
     shape = global_shape(t) if isinstance(t, fx.Node) else None
     return shape is not None and 0 in shape
-
-
-def getitem(em: Emitter, node: fx.Node):
-    """``x[idx]`` with basic indexing: Sharded unless the sequence dim is sliced to less than all of it.
-
-    ``...`` is expanded against x's rank, and a slice that covers the whole sequence dim
-    (``[:, 0:]`` from Hugging Face's ``logits_to_keep=0``, ``[:, :S]``) keeps it whole.
-    """
-    x, index = node.args
-    s = _sharded(em, x)
-    index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), _ndim(x))
-    if index is None or any(isinstance(i, fx.Node) for i in index):
-        return em.fallback(node, "indexing with tensors on a sharded value")
-    in_dim, out_dim = 0, 0
-    for i in index:
-        if i is None:
-            out_dim += 1
-            continue
-        if in_dim == s.dim:
-            if _covers(i, global_shape(x)[in_dim], em.ctx.seq_sym is not None):
-                return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim, s.inner)
-            return em.fallback(node, f"slicing the sequence dim with {i!r}")
-        out_dim += 0 if isinstance(i, int) else 1
-        in_dim += 1
-    return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
-
-
-def _expand_ellipsis(index: tuple, ndim: int) -> Optional[tuple]:
-    """``index`` with ``...`` replaced by full slices (x of rank ``ndim``); None for two ``...``."""
-    n_ell = sum(1 for i in index if i is Ellipsis)
-    if n_ell == 0:
-        return index
-    if n_ell > 1:
-        return None
-    used = sum(1 for i in index if i is not None and i is not Ellipsis)
-    at = index.index(Ellipsis)
-    return index[:at] + (slice(None),) * (ndim - used) + index[at + 1:]
-
-
-def _covers(i: Any, size: int, symbolic: bool) -> bool:
-    """Whether index ``i`` (an int, slice, ...) selects all ``size`` entries of a dim in order.
-
-    Under a symbolic length only ``[:]`` / ``[0:]`` qualify: a literal bound equal to
-    today's S would not cover tomorrow's.
-    """
-    if not isinstance(i, slice) or not all(v is None or type(v) is int for v in (i.start, i.stop, i.step)):
-        return False  # tensor or symbolic bounds: not provably the whole dim
-    if symbolic:
-        return i.start in (None, 0) and i.stop is None and i.step in (None, 1)
-    return range(size)[i] == range(size)
 
 
 def reduction(em: Emitter, node: fx.Node):

@@ -8,13 +8,14 @@ S-1 patch or token embeddings, image and text embeddings concatenated. After:
 whole where it is computed and indexes it by this rank's positions right after, so every
 op from there to the attention holds 1/N of the tokens::
 
-    patches (B, S-1, P) ─ linear ─ cat([cls, ·], dim=1) (B, S, D) ─ index_select(positions) ─> (B, S/N, D) ─ ...
+    patches (B, S-1, P) ─ linear ─ cat([cls, ·], dim=1) (B, S, D) ─ this rank's rows ─> (B, S/N, D) ─ ...
 
 An origin is a node that feeds an attention's q/k/v, has exactly one dim of size S,
 takes at least one tensor, and takes none with a dim of size S (so the sequence is born
 there: factories such as ``arange(S)`` are left to the position rule, which indexes them
-where they meet sharded values). The ops before an origin still run on whole values;
-pushing the row selection into the pieces of a ``cat`` is the next step.
+where they meet sharded values). The rewrite selects the rows as far upstream as is cheap
+(:mod:`.row_select`): into the pieces of a ``cat`` and through the per-token ops that made
+them, so with static shapes each rank embeds only its own patches.
 """
 
 from __future__ import annotations
