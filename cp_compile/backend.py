@@ -25,6 +25,7 @@ from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
 from .eager_guard import guard_eager_parameters
 from .local_guard import guard_local_shards
 from .passes.context import CPRewriteError, RewriteContext
+from .passes.expand_fastpath import expand_fastpath
 from .passes.expand_mha import expand_mha
 from .passes.find_attention import find_attention
 from .passes.fuse_attention import fuse_attention
@@ -212,6 +213,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     """
     refuse_nested_tensors(gm)
     expand_mha(gm, ctx)  # nn.MultiheadAttention / nn.Transformer*: its ops, ending in SDPA
+    expand_fastpath(gm, ctx)  # their eval-mode fast paths (torch._transformer_encoder_layer_fwd): the same
     fuse_attention(gm, ctx)  # softmax(q @ kT * scale + mask) @ v written by hand: SDPA
     find_attention(gm, ctx)
     if not ctx.attention:

@@ -6,6 +6,14 @@ context parallelism like hand-written ones. Each rank compares loss and every pa
 gradient with the uncompiled model on one process, and checks that every attention
 became the ring op with no gather fallback. Uses the attention weights, or
 cross-attention, are left whole with a warning naming the line and the fix.
+
+In eval mode under ``torch.no_grad`` each ``nn.TransformerEncoderLayer`` takes its fast
+path, which Dynamo records as one ``torch._transformer_encoder_layer_fwd`` node;
+passes/expand_fastpath.py opens it the same way (post- and pre-norm, ReLU and GELU,
+causal / key-padding / both masks), and the outputs are compared with the uncompiled
+model. A bare ``nn.MultiheadAttention`` never takes its fast path under Dynamo (the
+slow path is traced), and ``torch._native_multi_head_attention`` called directly is
+opened too, or refused with the fix when its weights are used.
 """
 
 from __future__ import annotations
@@ -175,3 +183,134 @@ def test_cross_attention_is_refused_with_the_fix(ranks) -> None:
         assert left and "cross-attention" in left[0] and "test_mha.py:" in left[0], r["warnings"]
     (r,) = ranks.run(2, _run, "cross_attention", True, timeout=240)[:1]
     assert "strict=True" in r.get("error", "") and "cross-attention" in r["error"], r
+
+
+# -- eval mode under no_grad: the fast paths (passes/expand_fastpath.py) -----------------------------
+class EvalEncoder(nn.Module):
+    """(7) ``nn.TransformerEncoder`` (batch_first) run in eval mode under ``torch.no_grad``: each
+    layer takes its fast path, which Dynamo records as ``torch._transformer_encoder_layer_fwd``."""
+
+    def __init__(self, norm_first: bool, activation: str, mask: str) -> None:
+        super().__init__()
+        self.mask = mask
+        self.emb = nn.Embedding(VOCAB, DIM)
+        layer = nn.TransformerEncoderLayer(DIM, HEADS, 2 * DIM, dropout=0.0, activation=activation,
+                                           batch_first=True, norm_first=norm_first, layer_norm_eps=1e-4)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)  # eager nested zeroes padded rows
+
+    def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)  # (B, S, D)
+        if self.mask == "causal":
+            mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])  # (S, S) float, -inf above
+            return self.enc(x, mask=mask, is_causal=True)  # (B, S, D)
+        if self.mask == "padding":
+            return self.enc(x, src_key_padding_mask=padding)  # padding (B, S) bool, True = ignore that key
+        if self.mask == "both":  # the two masks of one dtype (torch warns otherwise: a graph break)
+            mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])  # (S, S)
+            pad = torch.zeros(padding.shape).masked_fill(padding, float("-inf"))  # (B, S) float
+            return self.enc(x, mask=mask, src_key_padding_mask=pad, is_causal=True)
+        return self.enc(x)
+
+
+class EvalMHA(nn.Module):
+    """(8) bare ``nn.MultiheadAttention`` in eval mode under no_grad, ``need_weights=False``;
+    (9) its fast-path op called directly, its weights (10) used."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+        self.proj = nn.Linear(DIM, DIM)
+        self.mha = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # (B, S, D)
+        if self.style == "mha":
+            return self.mha(h, h, h, need_weights=False)[0]  # (B, S, D)
+        m = self.mha
+        out, weights = torch._native_multi_head_attention(
+            h, h, h, DIM, HEADS, m.in_proj_weight, m.in_proj_bias, m.out_proj.weight, m.out_proj.bias,
+            need_weights=self.style == "native_weights")  # (B, S, D), (B, S, S)
+        return out + weights.mean() if self.style == "native_weights" else out
+
+
+def _eval_model(name: str):
+    torch.manual_seed(0)
+    if name in ("mha", "native", "native_weights"):
+        return EvalMHA(name).eval(), (torch.randn(2, SEQ, DIM),)
+    norm_first, activation, mask = name.split("-")
+    padding = torch.zeros(2, SEQ, dtype=torch.bool)
+    padding[1, -5:] = True
+    model = EvalEncoder(norm_first == "pre", activation, mask).eval()
+    return model, (torch.randint(0, VOCAB, (2, SEQ)), padding)
+
+
+def _run_eval(name: str) -> dict:
+    """On every rank, under no_grad: the output's error vs one process, what Dynamo recorded, the ring ops."""
+    torch._dynamo.reset()
+    (ref_model, inputs), (cp_model, _) = _eval_model(name), _eval_model(name)
+    world = dist.get_world_size()
+    seen: list = []
+    backend = cp_compile.RingCP(inner="aot_eager")
+
+    def recording(gm, example_inputs):  # what Dynamo hands the backend, before any pass
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return backend(gm, example_inputs)
+
+    with torch.no_grad():
+        ref = ref_model(*inputs)
+        try:
+            explained = explain_record(ref_model, inputs, world_size=world)
+            out = torch.compile(cp_model, backend=recording, fullgraph=True)(*inputs)
+        except Exception as e:  # Dynamo wraps backend errors
+            return {"error": f"{type(e).__name__}: {e}"}
+    assert backend.records == [explained], (backend.records, explained)
+    rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes]
+    return {
+        "err": _rel(out, ref), "fast_path": sum("_transformer_encoder_layer_fwd" in t for t in seen),
+        "mha_traced": sum("multi_head_attention" in t for t in seen),
+        "rings": [(n.args[3], "attn_mask" in n.kwargs) for n in rings],
+        "q_rows": [n.args[0].meta["example_value"].shape[-2] for n in rings], "world": world,
+        "whole": [t for t in targets if any(op in t for op in ("scaled_dot_product", "_transformer_encoder_layer",
+                                                                "multi_head_attention"))],
+        "fallbacks": list(backend.fallbacks), "summary": backend.records[0].summary(),
+    }
+
+
+# name (norm: post|pre, activation, mask), world, the ring op's (causal, explicit mask) in each layer
+EVAL_CASES = [("post-relu-causal", 2, (True, False)), ("pre-gelu-causal", 2, (True, False)),
+              ("pre-relu-causal", 4, (True, False)), ("post-gelu-padding", 2, (False, True)),
+              ("pre-relu-both", 2, (True, True)), ("pre-gelu-none", 4, (False, False))]
+
+
+@pytest.mark.parametrize("name,world,ring", EVAL_CASES, ids=[f"{c[0]}-{c[1]}" for c in EVAL_CASES])
+def test_eval_fast_path_becomes_ring_attention(ranks, name: str, world: int, ring: tuple) -> None:
+    for rank, r in enumerate(ranks.run(world, _run_eval, name, timeout=240)):
+        assert "error" not in r, (rank, r)
+        assert r["fast_path"] == 2 and r["mha_traced"] == 0, (rank, r)  # Dynamo recorded the fused layer
+        assert r["err"] <= TOL, (rank, r)
+        assert r["rings"] == [ring, ring] and r["whole"] == [] and r["fallbacks"] == [], (rank, r)
+        assert r["q_rows"] == [SEQ // world] * 2, (rank, r)  # every rank attends with its 1/N of the queries
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_eval_multihead_attention_becomes_ring_attention(ranks, world: int) -> None:
+    """Dynamo never records ``torch._native_multi_head_attention`` for the module (it folds
+    ``_is_make_fx_tracing()`` to True), so the slow path that expand_mha opens is what runs."""
+    for rank, r in enumerate(ranks.run(world, _run_eval, "mha", timeout=240)):
+        assert "error" not in r, (rank, r)
+        assert r["fast_path"] == 0 and r["mha_traced"] == 1, (rank, r)
+        assert r["err"] <= TOL, (rank, r)
+        assert r["rings"] == [(False, False)] and r["whole"] == [] and r["fallbacks"] == [], (rank, r)
+        assert r["q_rows"] == [SEQ // world], (rank, r)
+
+
+def test_native_multi_head_attention_called_directly(ranks) -> None:
+    """The op itself in the graph: opened into SDPA; its weights used: refused, naming op, line and fix."""
+    for rank, r in enumerate(ranks.run(2, _run_eval, "native", timeout=240)):
+        assert "error" not in r, (rank, r)
+        assert r["err"] <= TOL and r["rings"] == [(False, False)] and r["whole"] == [], (rank, r)
+    for r in ranks.run(2, _run_eval, "native_weights", timeout=240):
+        error = r.get("error", "")
+        assert "_native_multi_head_attention" in error and "need_weights" in error, r
+        assert "test_mha.py:" in error and "Fix:" in error, r

@@ -32,8 +32,8 @@ under ``strict=True``): the attention weights used (``need_weights=True`` and th
 (N, L, S) weights read), cross-attention (query, key, value not one value), ``bias_k`` /
 ``bias_v``, ``add_zero_attn``, ``static_k`` / ``static_v``, dropout in training,
 unbatched (2-D) inputs. :mod:`.unsplit` then reports the graph if it has no other
-attention. Not covered: the eval-mode fast paths (``torch._native_multi_head_attention``,
-``torch._transformer_encoder_layer_fwd``), which Dynamo records as other ops.
+attention. The eval-mode fast paths (``torch._transformer_encoder_layer_fwd``,
+``torch._native_multi_head_attention``) are other ops: :mod:`.expand_fastpath` opens them.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _bind(node: fx.Node) -> Dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _weights_used(node: fx.Node) -> bool:
+def weights_used(node: fx.Node) -> bool:
     """Whether the (N, L, S) attention weights (output 1) are read, or the tuple escapes."""
     for user in node.users:
         if user.op != "call_function" or user.target is not operator.getitem or user.args[1] not in (0, 1):
@@ -94,7 +94,7 @@ def _weights_used(node: fx.Node) -> bool:
 
 def _refusal(node: fx.Node, a: Dict[str, Any]) -> Optional[str]:
     """Why this call cannot become SDPA (with the fix), or None."""
-    if _weights_used(node):
+    if weights_used(node):
         return ("its attention weights are used (need_weights=True returns the L x S weights, which ring attention "
                 "never forms). Fix: call the module with need_weights=False, or drop the use of the weights")
     if not (a["query"] is a["key"] is a["value"]):

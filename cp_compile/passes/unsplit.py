@@ -5,8 +5,8 @@ Before: a Dynamo graph in which :func:`.find_attention.find_attention` found no
 op that computes attention another way, with its source line and the fix:
 
 * ``nn.MultiheadAttention`` / ``nn.Transformer*`` layers: Dynamo keeps
-  ``F.multi_head_attention_forward`` as one opaque node (and eval-mode fast paths call
-  ``torch._native_multi_head_attention`` / ``torch._transformer_encoder_layer_fwd``);
+  ``F.multi_head_attention_forward`` as one opaque node (:mod:`.expand_mha` opens every
+  one it can, and :mod:`.expand_fastpath` opens the eval-mode fast paths or refuses them);
 * attention written by hand: a softmax over the last dim of an (..., L, L) matmul product.
 
 Each is logged as a WARNING once per source line (the backend then compiles the graph
@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .context import CPRewriteError, RewriteContext, fake_value, log, source_line
 
-OPAQUE_ATTENTION = ("multi_head_attention_forward", "_native_multi_head_attention", "_transformer_encoder_layer_fwd")
+OPAQUE_ATTENTION = ("multi_head_attention_forward",)
 SOFTMAX = ("softmax", "_softmax")
 MATMUL = {torch.matmul, operator.matmul, torch.bmm, torch.einsum, "matmul", "bmm"}
 HOPS = 4  # how far above a softmax its scores may come from a matmul (scale, mask, cast in between)
