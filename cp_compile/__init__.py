@@ -7,7 +7,7 @@ split across a context-parallel group), :func:`shard` / :func:`unshard` /
 """
 
 from .backend import BackendOptions, RingCP
-from .config import RingOptions
+from .options import RingOptions
 from .layout import positions, shard, unshard
 from .ring import ring_attention
 from .step import context_parallel

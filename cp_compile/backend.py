@@ -13,15 +13,15 @@ unchanged; a graph without attention does too, except that under
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Dict, List, Optional, Set, Union
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 import torch.fx as fx
 
 from ._group import resolve_group
 from .aot_cache import aot_cache_config
-from .config import LOAD_BALANCES, ROTATES, check_choice, check_timeout
+from .options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)
 from .eager_guard import guard_eager_parameters
 from .local_guard import guard_local_shards
 from .passes.context import CPRewriteError, RewriteContext
@@ -40,52 +40,6 @@ from .record import GraphRecord, record_graph, warn_whole_sequence
 from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
-
-INNER = ("inductor", "aot_eager", "eager")
-# BackendOptions fields that RewriteContext takes as they are (mesh becomes the group; timeout,
-# inner go to the ring ops and the hand-off).
-_REWRITE_OPTIONS = ("load_balance", "rotate", "kernel", "seq_inputs", "inputs", "outputs", "grad_sync", "strict")
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """Options of the ``ring_cp`` backend (see the README for each one)."""
-
-    mesh: Any = None
-    load_balance: str = "zigzag"
-    rotate: str = "p2p"
-    kernel: str = "auto"
-    seq_inputs: Union[str, Dict[str, int]] = "auto"
-    inputs: str = "full"
-    outputs: str = "full"
-    grad_sync: str = "allreduce"
-    strict: bool = False
-    inner: str = "inductor"
-    timeout: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        check_choice("load_balance", self.load_balance, LOAD_BALANCES)
-        check_choice("rotate", self.rotate, ROTATES)
-        check_choice("inputs", self.inputs, ("full", "local"))
-        check_choice("outputs", self.outputs, ("full", "local"))
-        check_choice("grad_sync", self.grad_sync, ("allreduce", "none"))
-        check_choice("inner", self.inner, INNER)
-        check_timeout(self.timeout)
-        if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
-            raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
-
-    def rewrite_options(self) -> Dict[str, Any]:
-        """The options the graph rewrite reads (:class:`~.passes.context.RewriteContext` fields).
-
-        Read field by field, never with ``dataclasses.asdict``: that deep-copies every value,
-        and a ``ProcessGroup`` in ``mesh`` cannot be copied (``TypeError: cannot pickle
-        'ProcessGroup'``). ``seq_inputs`` is copied, so the rewrite cannot change the user's dict.
-        """
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _REWRITE_OPTIONS}
-        if isinstance(values["seq_inputs"], dict):
-            values["seq_inputs"] = dict(values["seq_inputs"])
-        return values
-
 
 def _inner_compiler(name: str) -> Callable:
     if name == "eager":

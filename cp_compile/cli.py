@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from .cli_graph import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
-from .config import LOAD_BALANCES
+from .options import LOAD_BALANCES
 
 
 @dataclass(frozen=True)

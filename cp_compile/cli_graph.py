@@ -24,7 +24,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .config import LOAD_BALANCES
+from .options import LOAD_BALANCES
 from .targets import RETURN_HELP
 
 TARGET_HELP = (f"path/to/file.py:factory, a function returning {RETURN_HELP}; the model is called as "

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ._group import CPGroup
-from .config import LOAD_BALANCES, check_choice
+from .options import LOAD_BALANCES, check_choice
 from .inspect_cost import KINDS, Collective, RingMask, activation_bytes, collectives, nbytes, node_kind  # noqa: F401
 from .inspect_cost import ring_masks
 from .inspect_cost import to_int as _int

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ._group import resolve_group
-from .config import LOAD_BALANCES, check_choice
+from .options import LOAD_BALANCES, check_choice
 
 
 def split_multiple(world_size: int, load_balance: str) -> int:

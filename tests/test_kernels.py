@@ -128,3 +128,27 @@ def test_unsupported_kernel_dtype_names_the_fix():
         get_kernel("aten", q.device, q.dtype)
     with pytest.raises(ValueError, match="register_kernel"):
         get_kernel("no-such-kernel", q.device, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["aten", "reference", "triton"])
+def test_builtin_kernels_provide_every_protocol_member(name):
+    """The BlockKernel protocol lists everything the ring reads or calls; each built-in kernel
+    has all of it (a StepKernel also the step methods), with the documented types."""
+    import typing
+
+    from cp_compile.kernels import _REGISTRY, _load_triton
+    from cp_compile.kernels.base import BlockKernel, StepKernel
+
+    if name == "triton":
+        pytest.importorskip("triton")
+        _load_triton()
+    kernel = _REGISTRY[name]
+    protocol = StepKernel if kernel.fuses_merge else BlockKernel
+    members = set(typing.get_type_hints(protocol)) | {m for m in vars(protocol) if not m.startswith("_")}
+    for cls in protocol.__mro__:
+        if cls not in (object, typing.Protocol, typing.Generic):
+            members |= {m for m in vars(cls) if not m.startswith("_")} | set(getattr(cls, "__annotations__", {}))
+    missing = sorted(m for m in members if not hasattr(kernel, m))
+    assert not missing, f"kernel {name!r} lacks {missing}"
+    assert isinstance(kernel.supports_masks, bool) and isinstance(kernel.fuses_merge, bool)
+    assert "Fix" in kernel.unsupported_reason(torch.device("cpu"), torch.int32)

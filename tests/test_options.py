@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import typing
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ import models  # noqa: E402
 
 import cp_compile  # noqa: E402
 from cp_compile.backend import INNER, BackendOptions  # noqa: E402
-from cp_compile.config import LOAD_BALANCES, ROTATES  # noqa: E402
+from cp_compile.options import KERNELS, LOAD_BALANCES, ROTATES, literal_choices  # noqa: E402
 
 TOL = 1e-5
 
@@ -147,19 +148,23 @@ def test_decorator_takes_every_mesh_form(ranks, label):
 
 
 def test_the_table_covers_every_option():
-    """Every BackendOptions field has rows; every choice the validators accept has one."""
+    """Every BackendOptions field has rows; every value its Literal type lists has one."""
     fields = {f.name for f in dataclasses.fields(BackendOptions)}
     assert {option for option, _ in VALUES} == fields
     labels = {option: {label for o, label in VALUES if o == option} for option in fields}
     assert labels["load_balance"] == set(LOAD_BALANCES)
     assert labels["rotate"] == set(ROTATES)
     assert labels["inner"] == set(INNER)
-    assert labels["kernel"] == {"auto", "aten", "triton", "reference"}
-    for option in ("inputs", "outputs", "grad_sync"):  # validated choices: the field's default is one
-        default = next(f.default for f in dataclasses.fields(BackendOptions) if f.name == option)
-        assert default in labels[option]
-        with pytest.raises(ValueError):
-            BackendOptions(**{option: "not-a-value"})
+    assert labels["kernel"] == set(KERNELS)
+    hints = typing.get_type_hints(BackendOptions)
+    for option in fields:  # the type is the validation: every Literal value has a row, others are refused
+        choices = literal_choices(hints[option])
+        if choices:
+            assert labels[option] == set(choices), option
+            with pytest.raises(ValueError, match=option):
+                BackendOptions(**{option: "not-a-value"})
+    assert {o for o in fields if literal_choices(hints[o])} >= {"load_balance", "rotate", "inputs", "outputs",
+                                                                  "grad_sync", "inner"}
 
 
 def test_rows_run_elsewhere_name_existing_tests():

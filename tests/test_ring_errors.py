@@ -147,7 +147,7 @@ def test_kernel_does_not_support_device():
     # all of q, k, v on 'meta': the tensor checks pass, the aten kernel refuses the device
     q, k, v = (t.to("meta") for t in qkv())
     expect(ValueError, lambda: cp_compile.ring_attention(q, k, v),
-           "kernel 'aten' does not support torch.float32 on meta", "Fix: use kernel='reference'")
+           "kernel 'aten': does not support torch.float32 on meta", "Fix: use kernel='reference'")
 
 
 def test_register_kernel_errors():

@@ -58,6 +58,12 @@ class AtenKernel:
 
     name = "aten"
     supports_masks = True  # on CPU; see _cpu_mask
+    fuses_merge = False
+
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Why :meth:`supports` said no, and the fix."""
+        return (f"does not support {dtype} on {device.type} (it runs float32/float64/bfloat16/float16 on CPU, "
+                "bfloat16/float16 on CUDA). Fix: use kernel='reference' (any device/dtype, slow) or cast q/k/v.")
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type == "cpu":

@@ -11,6 +11,9 @@ parts), so its contract is small:
   Lq == Lk and means query i sees keys 0..i. Returns out (B, H, Lq, D) in any float
   dtype (the ring merges in fp32) and lse (B, H, Lq) float32 (float64 for float64
   inputs), natural log.
+* ``supports_masks``: when True, ``forward`` and ``backward`` also take ``mask=`` (additive,
+  float, broadcastable to (B, H, Lq, Lk)), for explicit masks and windows;
+  ``supports(device, dtype)`` and ``unsupported_reason(device, dtype)`` say where it runs.
 * ``backward(dout, q, k, v, out, lse, causal=, scale=) -> (dq, dk, dv)``
   ``out`` and ``lse`` are the *global* (fully merged) attention output and
   log-sum-exp of these query rows, so the result is this block's exact contribution
@@ -35,7 +38,7 @@ per step on the whole visiting block (see :mod:`cp_compile.ring.fused`):
 
 from __future__ import annotations
 
-from typing import Protocol, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 
@@ -43,16 +46,28 @@ Tensor = torch.Tensor
 
 
 class BlockKernel(Protocol):
-    """What a local block kernel provides (see the module docstring for the contract)."""
+    """What a local block kernel provides: everything :mod:`cp_compile.ring` reads or calls
+    on it (see the module docstring for the contract)."""
 
     name: str
+    supports_masks: bool
+    """Whether ``forward``/``backward`` take ``mask=``: an additive float mask broadcastable to
+    (B, H, Lq, Lk), -inf where masked. The ring needs it for explicit masks and for sliding
+    windows on plain block kernels; a kernel without it is refused there, naming a fix."""
+    fuses_merge: bool
+    """True for a :class:`StepKernel` (the ring then calls its step methods instead)."""
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs on ``device`` with inputs of ``dtype``."""
         ...
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-        """(out, lse) of ``q`` attending to ``k``/``v``."""
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Why ``supports`` is False, with the fix, for the error the ring raises."""
+        ...
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+                mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """(out, lse) of ``q`` attending to ``k``/``v`` (``mask=`` only if ``supports_masks``)."""
         ...
 
     def backward(
@@ -66,6 +81,7 @@ class BlockKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv): this block's contribution given the global ``out`` and ``lse``."""
         ...

@@ -42,6 +42,11 @@ class ReferenceKernel:
 
     name = "reference"
     supports_masks = True
+    fuses_merge = False
+
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Why :meth:`supports` said no, and the fix."""
+        return f"the reference kernel takes floating-point q/k/v, not {dtype}. Fix: cast q/k/v to float32."
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point

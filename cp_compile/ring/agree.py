@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._group import CPGroup
-from ..config import LOAD_BALANCES, ROTATES
+from ..options import LOAD_BALANCES, ROTATES
 from .faults import collective_hop, wait_hop
 
 Tensor = torch.Tensor

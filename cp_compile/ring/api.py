@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .._group import resolve_group
-from ..config import RingOptions
+from ..options import RingOptions
 from ..kernels import get_kernel
 from ..layout import check_seq_len
 from .agree import check_device

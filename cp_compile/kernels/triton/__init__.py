@@ -43,6 +43,7 @@ class TritonKernel:
 
     name = "triton"
     fuses_merge = True
+    supports_masks = False  # positions (causal, window, kv_limit) only; explicit masks: kernel='reference'
 
     def __init__(self, tiles: Optional[Tiles] = None) -> None:
         self.tiles = tiles

@@ -1,0 +1,146 @@
+"""Options of cp_compile, typed so that the type is the documentation and the validation.
+
+:class:`RingOptions` holds the knobs of the ring attention op; :class:`BackendOptions`
+those of the ``ring_cp`` backend (``torch.compile(..., backend="ring_cp", options={...})``
+or ``RingCP(**options)``). Every field with a closed set of values is a ``Literal``: the
+accepted values are read from that type (:func:`literal_choices`), so the type, the
+validation and the error message cannot disagree. Both classes are frozen dataclasses,
+so an options object can be hashed into compile caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any, Dict, Literal, Optional, Tuple, Union
+
+LoadBalance = Literal["zigzag", "striped", "contiguous"]
+Rotate = Literal["p2p", "allgather"]
+Kernel = Union[Literal["auto", "aten", "triton", "reference"], str]  # or a registered kernel's name
+Mode = Literal["full", "local"]
+GradSync = Literal["allreduce", "none"]
+Inner = Literal["inductor", "aot_eager", "eager"]
+
+
+def literal_choices(tp: Any) -> Tuple[str, ...]:
+    """The values of a ``Literal[...]`` type (``()`` for any other type)."""
+    return tuple(typing.get_args(tp)) if typing.get_origin(tp) is Literal else ()
+
+
+LOAD_BALANCES: Tuple[str, ...] = literal_choices(LoadBalance)
+ROTATES: Tuple[str, ...] = literal_choices(Rotate)
+INNER: Tuple[str, ...] = literal_choices(Inner)
+KERNELS: Tuple[str, ...] = literal_choices(typing.get_args(Kernel)[0])  # the built-in ones
+
+
+def check_choice(what: str, value: object, choices: Tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``; raise a ValueError naming them otherwise."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"cp_compile: unknown {what} {value!r}. Fix: use one of {', '.join(map(repr, choices))}."
+        )
+    return value
+
+
+def check_timeout(value: object) -> Optional[float]:
+    """Return ``value`` as seconds (> 0) or None; raise a ValueError naming the fix otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"cp_compile: timeout must be a positive number of seconds or None, got {value!r}. "
+            "Fix: e.g. timeout=300, or None for the process group's own timeout."
+        )
+    return float(value)
+
+
+def check_literals(options: Any) -> None:
+    """Check every ``Literal``-typed field of the dataclass ``options`` against its type."""
+    hints = typing.get_type_hints(type(options))
+    for f in dataclasses.fields(options):
+        choices = literal_choices(hints[f.name])
+        if choices:
+            check_choice(f.name, getattr(options, f.name), choices)
+
+
+@dataclass(frozen=True)
+class RingOptions:
+    """How the ring attention op runs."""
+
+    load_balance: LoadBalance = "zigzag"
+    """Token-to-rank layout: ``"zigzag"`` (rank r holds chunks r and 2N-1-r: balanced causal
+    work), ``"striped"`` (token i on rank i mod N) or ``"contiguous"`` (one chunk per rank)."""
+    rotate: Rotate = "p2p"
+    """``"p2p"``: K/V pass around the ring with double-buffered async send/recv, overlapped
+    with compute; ``"allgather"``: all K/V gathered once (N x the K/V memory, fewer transfers)."""
+    kernel: Kernel = "auto"
+    """Local block kernel: ``"auto"`` (``"triton"`` on CUDA when Triton is installed, else
+    ``"aten"``), ``"aten"``, ``"triton"``, ``"reference"`` (fp32 plain PyTorch, for tests) or
+    any name registered with :func:`cp_compile.kernels.register_kernel` (checked when used)."""
+    timeout: Optional[float] = None
+    """Seconds every wait of the ring may take before it raises
+    :class:`cp_compile.ring.faults.RingCommError` naming the peer, the step and the direction;
+    ``None``: the process group's own timeout (``init_process_group(timeout=...)``)."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        check_timeout(self.timeout)
+        if not isinstance(self.kernel, str):
+            raise ValueError(f"cp_compile: kernel must be a name (str), got {self.kernel!r}.")
+
+
+# BackendOptions fields that RewriteContext takes as they are (mesh becomes the group; timeout,
+# inner go to the ring ops and the hand-off).
+_REWRITE_OPTIONS = ("load_balance", "rotate", "kernel", "seq_inputs", "inputs", "outputs", "grad_sync", "strict")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of the ``ring_cp`` backend (``docs/backend.md`` shows each one at work)."""
+
+    mesh: Any = None
+    """The CP group: ``None`` (the default process group), a ``ProcessGroup``, a 1-D
+    ``DeviceMesh``, or a DeviceMesh with a ``"cp"`` dim (DP x CP meshes)."""
+    load_balance: LoadBalance = "zigzag"
+    """How the sequence is laid out over the ranks (see :class:`RingOptions`)."""
+    rotate: Rotate = "p2p"
+    """How K/V travel (see :class:`RingOptions`)."""
+    kernel: Kernel = "auto"
+    """The block kernel of every ring op (see :class:`RingOptions`)."""
+    seq_inputs: Union[Literal["auto"], Dict[str, int]] = "auto"
+    """Which graph inputs carry the sequence: ``"auto"`` (found from attention's length) or
+    ``{argument name: sequence dim}``."""
+    inputs: Mode = "full"
+    """``"full"``: every rank is given the whole sequence and the graph shards it;
+    ``"local"``: each rank is given its own shard (``cp_compile.shard``); needs dynamic=True."""
+    outputs: Mode = "full"
+    """``"full"``: sequence-long outputs are gathered; ``"local"``: each rank returns its shard."""
+    grad_sync: GradSync = "allreduce"
+    """``"allreduce"``: parameter gradients are summed over the CP group in the backward graph;
+    ``"none"``: left to DDP/FSDP over a group that includes the CP ranks."""
+    strict: bool = False
+    """Raise instead of warning where the rewrite would gather the full sequence or give no CP."""
+    inner: Inner = "inductor"
+    """The compiler the rewritten graph is handed to."""
+    timeout: Optional[float] = None
+    """Seconds a ring wait may take before it raises naming the peer (see :class:`RingOptions`)."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        check_timeout(self.timeout)
+        if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
+            raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
+
+    def rewrite_options(self) -> Dict[str, Any]:
+        """The options the graph rewrite reads (:class:`~.passes.context.RewriteContext` fields).
+
+        Read field by field, never with ``dataclasses.asdict``: that deep-copies every value,
+        and a ``ProcessGroup`` in ``mesh`` cannot be copied (``TypeError: cannot pickle
+        'ProcessGroup'``). ``seq_inputs`` is copied, so the rewrite cannot change the user's dict.
+        """
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _REWRITE_OPTIONS}
+        if isinstance(values["seq_inputs"], dict):
+            values["seq_inputs"] = dict(values["seq_inputs"])
+        return values
