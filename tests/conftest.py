@@ -15,6 +15,13 @@ persistent worker pools (one per world size) that live for the whole session; se
 from __future__ import annotations
 
 import os
+import sys
+
+# The example models (examples/models.py, examples/model_styles.py, ...) import as top-level
+# modules in every test module and, through the inherited sys.path, in the rank workers.
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
 
 # No GPU here: the Triton kernels run under Triton's interpreter. It is chosen when a
 # kernel is decorated, so the variable is set before anything imports them; the
@@ -27,6 +34,15 @@ import pytest  # noqa: E402
 # sys.path, which the spawned workers inherit, so this and the test modules import
 # as top-level modules there too.
 from distributed import RankPools
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test tiers: every test that starts rank processes (the ``ranks`` fixture) is marked
+    ``multirank``. ``./dev test --fast`` deselects ``slow`` and ``inductor`` tests (markers
+    set by hand where a test takes over ~10 s here or compiles with Inductor)."""
+    for item in items:
+        if "ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multirank)
 
 
 @pytest.fixture(scope="session")

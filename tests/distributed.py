@@ -116,6 +116,7 @@ def _worker(rank: int, world_size: int, init_method: str, tasks, results) -> Non
             break
         task_id, payload = item
         try:
+            torch._dynamo.reset()  # every task compiles from a clean Dynamo, whatever ran before it
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(_to_cpu(fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
             results.put((task_id, rank, True, value))
