@@ -2,8 +2,8 @@
 
 ``torch.compile(model, backend="ring_cp", options={...})`` or
 ``torch.compile(model, backend=cp_compile.RingCP(...))``. Each graph Dynamo hands
-over is rewritten for the CP group (passes: find attention -> choose sequence
-inputs -> layout propagation + rewrite) and passed to the inner compiler. With no
+over is rewritten for the CP group by :func:`rewrite_for_cp` (the pass order is listed
+in :mod:`cp_compile.passes`) and passed to the inner compiler. With no
 process group or a CP group of size 1 the graph goes to the inner compiler
 unchanged; a graph without attention does too, except that under
 ``grad_sync="none"`` its parameter gradients become this rank's 1/N share
@@ -161,9 +161,8 @@ def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
 def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
     """Run the passes in order on Dynamo's graph; None when it has no attention.
 
-    refuse_nested_tensors -> find_attention (none: find_unsplit_attention) -> choose_seq_inputs
-    (+ resolve_candidates by trial) -> choose_seq_origins -> rewrite_graph
-    -> repropagate. Shared by the backend and by ``cp-compile dump/explain``.
+    The order of :mod:`cp_compile.passes` (its docstring explains each step). Shared by the
+    backend and by ``cp-compile dump/explain``.
     """
     refuse_nested_tensors(gm)
     expand_mha(gm, ctx)  # nn.MultiheadAttention / nn.Transformer*: its ops, ending in SDPA

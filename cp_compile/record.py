@@ -28,7 +28,9 @@ _warned: Set[str] = set()
 
 @dataclass
 class GraphRecord:
-    """What the rewrite of one graph did, per rank (rank 0's shapes; every rank's are alike)."""
+    """What the rewrite of one graph did, on this rank. Ranks agree on everything but the byte
+    counts, which differ slightly where the sequence is assembled in the graph (each rank takes
+    its own rows of the pieces: :mod:`.passes.row_select`)."""
 
     world_size: int
     attention: List[Tuple[str, str]] = field(default_factory=list)  # (node, source line) of each SDPA found

@@ -1,4 +1,4 @@
-"""Every value the README documents for every ``ring_cp`` option compiles and runs on 2 ranks.
+"""Every value docs/backend.md documents for every ``ring_cp`` option compiles and runs on 2 ranks.
 
 One row of :data:`VALUES` per (option, value): the example Llama is compiled with
 ``RingCP(inner="aot_eager", option=value)`` (or the value's own setup, e.g. shards as

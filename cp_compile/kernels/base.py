@@ -30,7 +30,8 @@ per step on the whole visiting block (see :mod:`cp_compile.ring.fused`):
 * ``new_state(q) -> state``; ``forward_step(q, k, v, state, q_pos, k_pos, causal=,
   scale=, kv_limit=)`` folds the block into ``state`` in place; ``finalize(state,
   dtype) -> (out, lse)``. Key j is visible to query i iff ``k_pos[j] < kv_limit``
-  and, when causal, ``k_pos[j] <= q_pos[i]`` (positions int32, any order).
+  and, when causal, ``k_pos[j] <= q_pos[i]``, and, with ``window=`` W > 0,
+  ``q_pos[i] - k_pos[j] < W`` (positions int32, any order).
 * ``delta(dout, out) -> rowsum(dout * out)`` (fp32, once per backward);
   ``backward_step(dout, q, k, v, lse, delta, (dq, dk, dv), q_pos, k_pos, causal=,
   scale=, kv_limit=)`` adds the block's contributions into fp32 accumulators.
@@ -97,8 +98,9 @@ class StepKernel(BlockKernel, Protocol):
         ...
 
     def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: Tuple[Tensor, ...], q_pos: Tensor,
-                     k_pos: Tensor, *, causal: bool, scale: float, kv_limit: int) -> None:
-        """Fold ``q`` attending to ``k``/``v`` (masked by position) into ``state`` in place."""
+                     k_pos: Tensor, *, causal: bool, scale: float, kv_limit: int, window: int = -1) -> None:
+        """Fold ``q`` attending to ``k``/``v`` (masked by position) into ``state`` in place;
+        ``window`` W > 0: query i also sees only keys with ``q_pos[i] - k_pos[j] < W``."""
         ...
 
     def finalize(self, state: Tuple[Tensor, ...], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
@@ -111,6 +113,7 @@ class StepKernel(BlockKernel, Protocol):
 
     def backward_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                       grads: Tuple[Tensor, Tensor, Tensor], q_pos: Tensor, k_pos: Tensor, *,
-                      causal: bool, scale: float, kv_limit: int) -> None:
-        """Add this block's (dq, dk, dv) into the fp32 accumulators ``grads`` in place."""
+                      causal: bool, scale: float, kv_limit: int, window: int = -1) -> None:
+        """Add this block's (dq, dk, dv) into the fp32 accumulators ``grads`` in place (mask as in
+        :meth:`forward_step`)."""
         ...
