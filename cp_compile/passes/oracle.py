@@ -45,7 +45,7 @@ from .oracle_aten import hint as _hint
 from .oracle_aten import propagate, trace
 
 if TYPE_CHECKING:
-    from .rewrite import Emitter
+    from .emitter import Emitter
 
 
 @dataclass(frozen=True)

@@ -15,136 +15,29 @@ every other op is handled by its rule in :mod:`.rules` (the one table of layout
 rules), or gathered to Global by the fallback (warning, or an error under strict).
 Propagation and emission share one walk because a rule's conversions (indexing a
 Global operand by position, rewriting a baked-in length) are new nodes whose
-inputs are the new values.
+inputs are the new values; the emitter they use is :mod:`.emitter`.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List
 
 import torch
 import torch.fx as fx
 from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
-from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
+from .emitter import Emitter, mutates
 from .find_attention import is_sdpa
-from .layouts import GLOBAL, Global, Layout, Sharded
-from .seq_inputs import is_parameter_like, refuse_unknown
+from .layouts import GLOBAL, Global, Sharded
 from .row_select import select_rows
-from .seqindex import SeqIndex
+from .rules import apply_rule
+from .seq_inputs import is_parameter_like, refuse_unknown
 
 
 BUCKET_BYTES = 1 << 20  # 1-D parameters share one gradient all-reduce up to this size
-
-
-class Emitter:
-    """Builds the new graph; rules use it to read layouts and emit nodes."""
-
-    def __init__(self, gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> None:
-        self.gm, self.ctx, self.examples = gm, ctx, examples
-        self.graph = fx.Graph()
-        self.env: Dict[fx.Node, Any] = {}  # old node -> new node (or python value)
-        self.layouts: Dict[fx.Node, Any] = {}  # old node -> Layout, tuple of layouts, or None
-        self._memo: Dict[Tuple[fx.Node, int, int], fx.Node] = {}
-        self._consts: Dict[str, fx.Node] = {}
-        self.index = SeqIndex(self)
-        self.inputs: List[fx.Node] = []  # placeholders awaiting _finish_inputs
-
-    # -- reading the old graph ------------------------------------------------
-    def value(self, arg: Any) -> Any:
-        """``arg`` with old nodes replaced by their new values (inside tuples, lists, dicts, slices)."""
-        return fx.node.map_aggregate(arg, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
-
-    def layout(self, arg: Any) -> Optional[Layout]:
-        return self.layouts.get(arg) if isinstance(arg, fx.Node) else None
-
-    def sharded_inputs(self, node: fx.Node) -> bool:
-        flat, _ = tree_flatten((node.args, node.kwargs))
-        return any(isinstance(self.layout(a), Sharded) for a in flat)
-
-    # -- emitting ---------------------------------------------------------------
-    def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self.graph.call_function(target, args, kwargs)
-
-    def method(self, name: str, *args: Any, **kwargs: Any) -> fx.Node:
-        return self.graph.call_method(name, args, kwargs)
-
-    def copy(self, node: fx.Node, args: Tuple, kwargs: Dict) -> fx.Node:
-        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
-        new.meta = dict(node.meta)
-        return new
-
-    def const(self, name: str, tensor: torch.Tensor) -> fx.Node:
-        if name not in self._consts:
-            self.gm.register_buffer(name, tensor, persistent=False)
-            self._consts[name] = self.graph.get_attr(name)
-        return self._consts[name]
-
-    def seq_node(self) -> fx.Node:
-        """The new graph's value of a symbolic S (the SymInt placeholder Dynamo made for it)."""
-        return self.env[self.seq_placeholder()]
-
-    def seq_placeholder(self) -> fx.Node:
-        sym = self.ctx.seq_sym
-        for old in self.env:
-            val = old.meta.get("example_value")
-            if old.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr == sym.node.expr:
-                return old
-        raise CPRewriteError(
-            f"cp_compile: the dynamic sequence length {sym} is not a graph input. "
-            "Fix: torch.compile(model, backend='ring_cp', dynamic=False)."
-        )
-
-    def valid_mask(self, old: fx.Node, local: fx.Node, dim: int, inner: int) -> Optional[fx.Node]:
-        """Bool mask broadcastable to ``local`` (old's sharded value): False at padding rows, or None."""
-        shape = global_shape(old)
-        return self.index.valid(local, len(shape), dim, inner, shape[dim])
-
-    def to_sharded(self, old: fx.Node, dim: int, inner: int = 1) -> fx.Node:
-        """A Global value indexed by this rank's positions along ``dim`` (memoised)."""
-        key = (old, dim, inner)
-        if key not in self._memo:
-            size = global_shape(old)[dim] if self.ctx.seq_sym is None else self.method("size", self.env[old], dim)
-            self._memo[key] = self.method("index_select", self.env[old], dim, self.index.index(size, inner))
-        return self._memo[key]
-
-    def to_global(self, old: fx.Node) -> fx.Node:
-        """A Sharded value gathered to the full sequence on every rank."""
-        lay = self.layout(old)
-        if not isinstance(lay, Sharded):
-            return self.env[old]
-        if lay.inner != 1 or global_shape(old)[lay.dim] != self.ctx.seq_len:
-            raise CPRewriteError(
-                f"cp_compile: cannot gather {old.name} (sequence merged into dim {lay.dim} of "
-                f"{tuple(global_shape(old))}). Fix: report this model pattern; strict=False cannot help here."
-            )
-        order, inverse = self.index.order_inverse()  # inverse drops the padding positions
-        return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
-                         self.ctx.group.name)
-
-    def fallback(self, node: fx.Node, why: str) -> Any:
-        """Gather every Sharded input of ``node`` and run it on full sequences.
-
-        A result shaped like a gathered input (``cumsum``, ``roll``, ``flip`` along the
-        sequence, a same-padded conv) is sharded again at once, along that input's dim:
-        the gather costs the one op that needs the whole sequence, not every op after it.
-        Any other result stays Global."""
-        self.ctx.fallback(node, why)
-        sharded = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(self.layout(a), Sharded)]
-        gathered = {a: self.to_global(a) for a in sharded}
-        args, kwargs = fx.node.map_aggregate(
-            (node.args, node.kwargs), lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a
-        )
-        new = self.copy(node, args, kwargs)
-        dims = {self.layout(a).dim for a in sharded if global_shape(a) == global_shape(node)}
-        if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded):
-            self.env[node] = new  # to_sharded reads the whole value from env
-            (dim,) = dims
-            return self.to_sharded(node, dim), Sharded(dim)
-        return new, GLOBAL
 
 
 def _placeholder(em: Emitter, node: fx.Node) -> None:
@@ -305,7 +198,7 @@ def _drop_unused_masks(em: Emitter) -> None:
         if not isinstance(node, fx.Node) or node in erased or node.users or node.op not in ("call_function",
                                                                                                 "call_method"):
             continue
-        if _mutates(node):
+        if mutates(node):
             continue
         inputs = node.all_input_nodes
         em.graph.erase_node(node)
@@ -330,18 +223,7 @@ def _check_every_attention_is_the_ring(em: Emitter) -> None:
         )
 
 
-def _mutates(node: fx.Node) -> bool:
-    """In-place methods/functions (``x.add_``, ``torch.relu_``) and other impure calls (``operator.and_`` is pure)."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    name = getattr(node.target, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__") and node.target not in (operator.and_, operator.or_)
-    return in_place or node.is_impure()
-
-
 def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
-    from .rules import apply_rule  # the table imports Emitter's helpers
-
     em = Emitter(gm, ctx, examples)
     for node in gm.graph.nodes:
         if node.op == "placeholder":

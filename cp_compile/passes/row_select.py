@@ -118,7 +118,7 @@ def _cat_pieces(node: fx.Node, dim: int) -> Optional[List[fx.Node]]:
 
 def _erase_dead(em: Any, todo: List[fx.Node]) -> None:
     """Erase the whole copies of the nodes the selection moved above, now without users."""
-    from .rewrite import _mutates
+    from .emitter import mutates as _mutates
 
     order = {n: i for i, n in enumerate(em.graph.nodes)}
     for node in sorted(set(todo), key=lambda n: -order[n]):  # users before their inputs

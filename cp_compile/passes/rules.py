@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .context import global_shape
 from .layouts import GLOBAL, Sharded, view_layout
 from .oracle import decide
-from .rewrite import Emitter
+from .emitter import Emitter
 from .rules_attention import attention_rule, loss_rules
 from .rules_complex import complex_rules
 from .rules_einsum import einsum_rules

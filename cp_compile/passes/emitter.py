@@ -1,0 +1,141 @@
+"""The emitter of the rewrite (:mod:`.rewrite`): builds the per-rank graph while the walk
+reads the old one, and gives the layout rules (:mod:`.rules`) their vocabulary.
+
+    old node ──env──> new value      old node ──layouts──> Global | Sharded(dim, inner)
+    em.to_sharded(x, d):  x (B, S, D) Global  ─ index_select(d, this rank's positions) ─> (B, c, D)
+    em.to_global(x):      x (B, c, D) Sharded ─ gather_seq (all-gather + un-permute) ─> (B, S, D)
+    em.fallback(node):    gather the Sharded inputs, run node whole (warned), re-shard if shape-preserving
+
+Kept apart from the walk so the rules can import it without importing the walk, which
+imports the rules.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .. import graph_ops
+from .context import CPRewriteError, RewriteContext, global_shape
+from .layouts import GLOBAL, Layout, Sharded
+from .seqindex import SeqIndex
+
+
+class Emitter:
+    """Builds the new graph; rules use it to read layouts and emit nodes."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> None:
+        self.gm, self.ctx, self.examples = gm, ctx, examples
+        self.graph = fx.Graph()
+        self.env: Dict[fx.Node, Any] = {}  # old node -> new node (or python value)
+        self.layouts: Dict[fx.Node, Any] = {}  # old node -> Layout, tuple of layouts, or None
+        self._memo: Dict[Tuple[fx.Node, int, int], fx.Node] = {}
+        self._consts: Dict[str, fx.Node] = {}
+        self.index = SeqIndex(self)
+        self.inputs: List[fx.Node] = []  # placeholders awaiting _finish_inputs
+
+    # -- reading the old graph ------------------------------------------------
+    def value(self, arg: Any) -> Any:
+        """``arg`` with old nodes replaced by their new values (inside tuples, lists, dicts, slices)."""
+        return fx.node.map_aggregate(arg, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
+
+    def layout(self, arg: Any) -> Optional[Layout]:
+        return self.layouts.get(arg) if isinstance(arg, fx.Node) else None
+
+    def sharded_inputs(self, node: fx.Node) -> bool:
+        flat, _ = tree_flatten((node.args, node.kwargs))
+        return any(isinstance(self.layout(a), Sharded) for a in flat)
+
+    # -- emitting ---------------------------------------------------------------
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return self.graph.call_function(target, args, kwargs)
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> fx.Node:
+        return self.graph.call_method(name, args, kwargs)
+
+    def copy(self, node: fx.Node, args: Tuple, kwargs: Dict) -> fx.Node:
+        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+        new.meta = dict(node.meta)
+        return new
+
+    def const(self, name: str, tensor: torch.Tensor) -> fx.Node:
+        if name not in self._consts:
+            self.gm.register_buffer(name, tensor, persistent=False)
+            self._consts[name] = self.graph.get_attr(name)
+        return self._consts[name]
+
+    def seq_node(self) -> fx.Node:
+        """The new graph's value of a symbolic S (the SymInt placeholder Dynamo made for it)."""
+        return self.env[self.seq_placeholder()]
+
+    def seq_placeholder(self) -> fx.Node:
+        sym = self.ctx.seq_sym
+        for old in self.env:
+            val = old.meta.get("example_value")
+            if old.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr == sym.node.expr:
+                return old
+        raise CPRewriteError(
+            f"cp_compile: the dynamic sequence length {sym} is not a graph input. "
+            "Fix: torch.compile(model, backend='ring_cp', dynamic=False)."
+        )
+
+    def valid_mask(self, old: fx.Node, local: fx.Node, dim: int, inner: int) -> Optional[fx.Node]:
+        """Bool mask broadcastable to ``local`` (old's sharded value): False at padding rows, or None."""
+        shape = global_shape(old)
+        return self.index.valid(local, len(shape), dim, inner, shape[dim])
+
+    def to_sharded(self, old: fx.Node, dim: int, inner: int = 1) -> fx.Node:
+        """A Global value indexed by this rank's positions along ``dim`` (memoised)."""
+        key = (old, dim, inner)
+        if key not in self._memo:
+            size = global_shape(old)[dim] if self.ctx.seq_sym is None else self.method("size", self.env[old], dim)
+            self._memo[key] = self.method("index_select", self.env[old], dim, self.index.index(size, inner))
+        return self._memo[key]
+
+    def to_global(self, old: fx.Node) -> fx.Node:
+        """A Sharded value gathered to the full sequence on every rank."""
+        lay = self.layout(old)
+        if not isinstance(lay, Sharded):
+            return self.env[old]
+        if lay.inner != 1 or global_shape(old)[lay.dim] != self.ctx.seq_len:
+            raise CPRewriteError(
+                f"cp_compile: cannot gather {old.name} (sequence merged into dim {lay.dim} of "
+                f"{tuple(global_shape(old))}). Fix: report this model pattern; strict=False cannot help here."
+            )
+        order, inverse = self.index.order_inverse()  # inverse drops the padding positions
+        return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
+                         self.ctx.group.name)
+
+    def fallback(self, node: fx.Node, why: str) -> Any:
+        """Gather every Sharded input of ``node`` and run it on full sequences.
+
+        A result shaped like a gathered input (``cumsum``, ``roll``, ``flip`` along the
+        sequence, a same-padded conv) is sharded again at once, along that input's dim:
+        the gather costs the one op that needs the whole sequence, not every op after it.
+        Any other result stays Global."""
+        self.ctx.fallback(node, why)
+        sharded = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(self.layout(a), Sharded)]
+        gathered = {a: self.to_global(a) for a in sharded}
+        args, kwargs = fx.node.map_aggregate(
+            (node.args, node.kwargs), lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a
+        )
+        new = self.copy(node, args, kwargs)
+        dims = {self.layout(a).dim for a in sharded if global_shape(a) == global_shape(node)}
+        if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded):
+            self.env[node] = new  # to_sharded reads the whole value from env
+            (dim,) = dims
+            return self.to_sharded(node, dim), Sharded(dim)
+        return new, GLOBAL
+
+
+def mutates(node: fx.Node) -> bool:
+    """In-place methods/functions (``x.add_``, ``torch.relu_``) and other impure calls (``operator.and_`` is pure)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    name = getattr(node.target, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__") and node.target not in (operator.and_, operator.or_)
+    return in_place or node.is_impure()
