@@ -1,6 +1,6 @@
 """The ``cp-compile`` command. Subcommands: ``plan`` (below), ``dump`` and ``explain`` (cli_graph.py).
 
-``plan`` sizes a context-parallel run on paper, from the formulas below (DESIGN.md §1).
+``plan`` sizes a context-parallel run on paper, from the formulas below (docs/design.md §1).
 Notation: c = S/N tokens per GPU, h = hidden, H query heads, H_kv KV heads, d = h/H,
 b = bytes per element, F = dense FLOP/s, B = link bytes/s in ONE direction (the ring
 sends to rank r+1 and receives from rank r-1 at once, so each block uses one direction).
@@ -9,7 +9,7 @@ sends to rank r+1 and receives from rank r-1 at once, so each block uses one dir
   multiply-add); transfer K and V of the KV heads only, 2·c·d·H_kv·b bytes. f is the
   fraction of (query, key) pairs a step computes: 1 non-causal; ½ causal zig-zag /
   striped; 1 causal contiguous (the ring waits for its busiest rank). Overlap is
-  complete when compute ≥ transfer, i.e. c ≥ (b/2)·(H_kv/H)·(1/f)·F/B. DESIGN.md's
+  complete when compute ≥ transfer, i.e. c ≥ (b/2)·(H_kv/H)·(1/f)·F/B. docs/design.md §1's
   c ≥ (b/2)·F/B is the MHA (H_kv = H), non-causal case with B counted in both
   directions (600 GB/s A100, 900 GB/s H100), which gives its ≈520 / ≈1.1k tokens.
 * Backward: flash-attention backward does 5 matmuls (10·f·c²·d·H FLOPs); K, V (b bytes)
@@ -148,7 +148,7 @@ def positive_int(text: str) -> int:
 def overlap_threshold(tflops: float, gbps: float, bytes_per_elem: float, heads: int = 1, kv_heads: int = 1,
                       work_fraction: float = 1.0, flops_per_pair: float = 4.0) -> float:
     """Smallest c with flops_per_pair·f·c²·d·H / F ≥ 2·c·d·H_kv·b / B: 4 and b forward, 10 and b+4
-    backward (fp32 dK/dV travel too). The defaults (MHA, non-causal, forward) give DESIGN's (b/2)·F/B."""
+    backward (fp32 dK/dV travel too). The defaults (MHA, non-causal, forward) give docs/design.md §1's (b/2)·F/B."""
     return 2 * bytes_per_elem * kv_heads / heads / (flops_per_pair * work_fraction) * tflops * 1e3 / gbps
 
 

@@ -2,7 +2,7 @@
 
 These are written the way users write models: plain PyTorch, no cp_compile
 imports, nothing arranged for the compiler. The ``ring_cp`` backend has to make
-them context-parallel unchanged (DESIGN.md §3), so they deliberately contain the
+them context-parallel unchanged (docs/design.md §6), so they deliberately contain the
 patterns that pass has to handle:
 
 - ``Llama``: RoPE tables as ``max_seq_len`` buffers cut to the input length in

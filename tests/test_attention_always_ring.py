@@ -1,4 +1,4 @@
-"""Attention is always the ring (DESIGN §3.1, principle 1).
+"""Attention is always the ring (docs/design.md §7).
 
 With a CP group of 2 or more ranks, no ``scaled_dot_product_attention`` over the whole
 sequence survives the rewrite: q/k/v that every rank holds whole (nothing upstream is a

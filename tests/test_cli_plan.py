@@ -1,4 +1,4 @@
-"""``cp-compile plan`` (cp_compile.cli): numbers against hand arithmetic, DESIGN.md §1's
+"""``cp-compile plan`` (cp_compile.cli): numbers against hand arithmetic, docs/design.md §1's
 overlap thresholds, argument errors (exit 2, naming the fix), output, and the module
 entry point. Pure and single process; one subprocess for ``python -m cp_compile.cli``.
 """
@@ -65,17 +65,17 @@ def test_max_seq_len_solves_memory_for_s():
 
 
 def test_design_thresholds():
-    """DESIGN.md §1: c >= (b/2) F/B = 520 (A100) / 1.1k (H100) tokens for bf16. That is the MHA,
+    """docs/design.md §1: c >= (b/2) F/B = 520 (A100) / 1.1k (H100) tokens for bf16. That is the MHA,
     non-causal forward case with B = the *bidirectional* NVLink figure (600 / 900 GB/s)."""
     assert overlap_threshold(312, 600, 2) == pytest.approx(520, rel=0.1)
     assert overlap_threshold(989, 900, 2) == pytest.approx(1100, rel=0.1)
     # The ring uses one direction per block (send to r+1 while receiving from r-1), so with the
-    # table's per-direction bandwidth the same MHA non-causal bound is twice DESIGN's ...
+    # table's per-direction bandwidth the same MHA non-causal bound is twice docs/design.md's ...
     a100, h100 = HARDWARE["a100-nvlink"], HARDWARE["h100-nvlink"]
     assert overlap_threshold(a100.tflops, a100.gbps, 2) == pytest.approx(1040)
     assert overlap_threshold(h100.tflops, h100.gbps, 2) == pytest.approx(2197.8, abs=0.1)
     # ... while GQA (H_kv/H = 1/4 for llama-8b) and causal zig-zag (f = 1/2) scale it by 1/4 * 2,
-    # which lands back on DESIGN's numbers within 10%.
+    # which lands back on docs/design.md's numbers within 10%.
     for hw, design in ((a100, 520), (h100, 1100)):
         p = plan_numbers(MODELS["llama-8b"], hw, 131072, 8)
         assert p.fwd.threshold == pytest.approx(design, rel=0.1)

@@ -3,7 +3,7 @@
 Pure, single process. For every (world size, rank, ring step, layout, causal, local
 length) the rectangles returned by ``step_segments`` must cover exactly the (query, key)
 pairs a causal / full attention mask allows, each pair once, with no empty rectangles;
-and the per-step work must be balanced the way DESIGN.md §1 promises.
+and the per-step work must be balanced the way docs/design.md §2 promises.
 """
 
 from __future__ import annotations

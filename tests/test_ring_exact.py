@@ -1,6 +1,6 @@
 """Exactness of ``cp_compile.ring_attention`` against single-process SDPA on the full sequence.
 
-What is checked (DESIGN.md §1, §5.1):
+What is checked (docs/design.md §1, §3):
 
 - out, dq, dk, dv of the ring (gloo groups of 1, 2 and 4 ranks), reassembled from
   every rank's shard with ``rank_positions``, against ``F.scaled_dot_product_attention``

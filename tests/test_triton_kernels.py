@@ -1,6 +1,6 @@
 """The Triton ring-step kernels under ``TRITON_INTERPRET=1`` (set in conftest) against fp64 math.
 
-What is checked (issue 4; DESIGN.md §1, §4):
+What is checked (issue 4; docs/design.md §1, docs/kernels.md):
 
 - forward (out, lse) and backward (dq, dk, dv) of one step, for causal / non-causal,
   each layout's position patterns (ranks 1 and 2 of zig-zag, striped and contiguous

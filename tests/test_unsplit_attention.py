@@ -1,4 +1,4 @@
-"""Attention ring_cp cannot split is never run whole in silence (DESIGN §3.1).
+"""Attention ring_cp cannot split is never run whole in silence (docs/design.md §9).
 
 ``nn.MultiheadAttention`` whose attention weights (S x S) are used stays one opaque
 ``F.multi_head_attention_forward`` node (passes/expand_mha.py opens every other one into

@@ -7,7 +7,8 @@ Every tensor value of a rewritten graph has one layout:
 | ``GLOBAL``      | the same full value on every rank (weights, positions, a gathered tensor, the loss) |
 | ``Sharded(d, inner)`` | this rank's tokens along dim d, in load-balanced order. ``inner`` > 1 when d is a merged dim whose index is ``outer * (c * inner) + token * inner + rest`` (e.g. logits viewed (B*S, V): inner = 1; (B, S*H) would be inner = H) |
 
-DESIGN.md §3 separates ``Replicated`` from ``Full(d)``; the rewrite does not need to:
+One could tell a replicated value from a full-sequence one (``Replicated`` vs ``Full(d)``);
+the rewrite does not need to (docs/design.md §6):
 a Global value that meets a Sharded one in a broadcasting op must have size S (or
 1) along the aligned dim in the original program, and size S there means "one entry
 per position", so indexing it with this rank's positions is exactly right. No

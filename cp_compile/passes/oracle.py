@@ -1,6 +1,6 @@
 """The rule oracle: decide an op the rule table does not know from its ATen decomposition.
 
-DESIGN.md §3.1, principle 3. Before :meth:`Emitter.fallback` gathers the sequence for
+docs/design.md §8. Before :meth:`Emitter.fallback` gathers the sequence for
 a node with no hand rule, :func:`decide` traces that node alone to ATen ops
 (``make_fx`` on fake inputs of the node's global shapes) and propagates "which dim
 is the sequence" through the ATen graph with DTensor's sharding propagation

@@ -1,4 +1,4 @@
-"""Exact merge of partial attention results ``(out, lse)`` (DESIGN.md §1).
+"""Exact merge of partial attention results ``(out, lse)`` (docs/design.md §1).
 
 Two partial results over disjoint key sets combine as
 ``lse = logaddexp(lse_1, lse_2)``, ``out = exp(lse_1 - lse) out_1 + exp(lse_2 - lse) out_2``.

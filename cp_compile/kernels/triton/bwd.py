@@ -1,6 +1,6 @@
 """Backward ring-step kernels: one visiting K/V block's exact gradient contributions.
 
-Math (DESIGN.md §1). With the *global* (fully merged) output O and log-sum-exp of the
+Math (docs/design.md §1). With the *global* (fully merged) output O and log-sum-exp of the
 query rows, the probabilities of this block are exact without any other block:
 ``P = exp(S·scale - lse)`` (masked entries 0). With ``Δ = rowsum(dO ⊙ O)``
 (:func:`delta`, once per backward)::

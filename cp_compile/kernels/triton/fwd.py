@@ -1,6 +1,6 @@
 """Forward ring-step kernel: one visiting K/V block merged into fp32 accumulators in place.
 
-Math (DESIGN.md §1). For a query row with scores ``s_j = scale · q·k_j`` over the keys
+Math (docs/design.md §1). For a query row with scores ``s_j = scale · q·k_j`` over the keys
 seen so far, the running state is::
 
     m = max_j s_j                      (M, float32; -inf before any key)
