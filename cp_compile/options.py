@@ -57,12 +57,19 @@ def check_timeout(value: object) -> Optional[float]:
 
 
 def check_literals(options: Any) -> None:
-    """Check every ``Literal``-typed field of the dataclass ``options`` against its type."""
-    hints = typing.get_type_hints(type(options))
-    for f in dataclasses.fields(options):
-        choices = literal_choices(hints[f.name])
-        if choices:
-            check_choice(f.name, getattr(options, f.name), choices)
+    """Check every ``Literal``-typed field of the dataclass ``options`` against its type.
+
+    The choices are read from the types once, at import (:data:`_LITERAL_FIELDS`): the check
+    also runs inside ``torch.compile``d code (``ring_attention`` builds a RingOptions), where
+    Dynamo cannot trace ``typing.get_type_hints``."""
+    for name, choices in _LITERAL_FIELDS[type(options)]:
+        check_choice(name, getattr(options, name), choices)
+
+
+def _literal_fields(cls: type) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, literal_choices(hints[f.name])) for f in dataclasses.fields(cls)
+                 if literal_choices(hints[f.name]))
 
 
 @dataclass(frozen=True)
@@ -144,3 +151,8 @@ class BackendOptions:
         if isinstance(values["seq_inputs"], dict):
             values["seq_inputs"] = dict(values["seq_inputs"])
         return values
+
+
+_LITERAL_FIELDS: Dict[type, Tuple[Tuple[str, Tuple[str, ...]], ...]] = {
+    cls: _literal_fields(cls) for cls in (RingOptions, BackendOptions)
+}
