@@ -86,7 +86,7 @@ def _rows(em: Any, old: Any, memo: Dict[fx.Node, Any]) -> Any:
         new = em.env[old]  # already this rank's rows
     elif old.op == "call_method" and old.target == "expand":
         new = _expand_rows(em, old, memo)
-    elif _elementwise(old):
+    elif is_elementwise(old):
         args, kwargs = fx.node.map_aggregate((old.args, old.kwargs), lambda a: _rows(em, a, memo))
         new = em.graph.create_node(old.op, old.target, args, kwargs)
     else:
@@ -102,7 +102,9 @@ def _varies(em: Any, node: Any) -> bool:
     return shape is not None and len(shape) >= 2 and shape[-2] == em.ctx.seq_len != 1
 
 
-def _elementwise(node: fx.Node) -> bool:
+def is_elementwise(node: fx.Node) -> bool:
+    """Whether output row i of ``node`` depends only on row i of each operand (``x == 0``, ``a & b``,
+    ``m.bool()``; not ``cumsum``, ``expand``). Also used by :mod:`.mask_buffers`."""
     if node.op == "call_method":
         return node.target in _ELEMENTWISE_METHODS
     return node.op == "call_function" and node.target in _ELEMENTWISE_FUNCS

@@ -16,14 +16,21 @@ reads positions as ``position_ids[b, q]``; with ``position_ids = arange(S)`` tho
 the constant 0 and q again (:mod:`.mask_index` follows them).
 
 The mask's conjunction (``&`` through ``expand``/``to``) is split into its terms. Each
-term is evaluated on abstract values, never on data: integer tensors affine in the
+term is first evaluated on abstract values, not on data: integer tensors affine in the
 query and key positions (:class:`Affine`) and bounds on ``d = kv - q`` (:class:`Band`).
 The recognised terms intersect to one band: ``d <= 0`` over the whole sequence is
 causal, no bound is full attention, ``-W < d <= 0`` a sliding window of W keys; these
-become the ring op's ``causal`` flag and ``window``, with no S x S tensor. Every other
-term (a key-padding mask read from ``attention_mask``, a mask passed in as an input, a
-float mask, chunked attention, ...) is kept as an *explicit* mask: the rewrite computes
-only this rank's query rows of it (:mod:`.mask_rows`) and hands them to the ring op.
+become the ring op's ``causal`` flag and ``window``, with no S x S tensor. A term read from a
+module buffer (nanoGPT's ``bias[:, :, :T, :T] == 0`` of a ``tril`` buffer), or otherwise
+computed from constants and gradient-free state only, is evaluated once at compile time and
+compared with a band (:mod:`.mask_buffers`)::
+
+    ~(bias[:, :, :S, :S] == 0)         Band(hi=0): causal, as if built from positions
+
+Every other term (a key-padding mask read from ``attention_mask``, a mask passed in as an
+input, a float mask, a buffer that is no band, chunked attention, ...) is kept as an
+*explicit* mask: the rewrite computes only this rank's query rows of it
+(:mod:`.mask_rows`) and hands them to the ring op.
 A band that is none of the three (a bidirectional window, say) makes the whole mask
 explicit. So every mask is exact; only the explicit part costs memory.
 """
@@ -38,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from .context import fake_value, log, source_line
+from .mask_buffers import constant_band
 from .mask_index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
@@ -67,7 +75,7 @@ class MaskKind:
 
 def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
     """The meaning of the graph-built ``mask`` of ``sdpa`` (see the module docstring)."""
-    band, rest = _split(mask, {})
+    band, rest = _split(mask, {}, seq_len)
     kind = _band_kind(band, seq_len)
     if kind is None:  # a band the ring op cannot express: the whole mask is explicit
         kind, rest = MaskKind(causal=False), [mask]
@@ -94,18 +102,25 @@ def _band_kind(band: Band, seq_len: int) -> Optional[MaskKind]:
 _TRANSPARENT = ("expand", "to", "contiguous", "bool")  # methods that keep a boolean mask's meaning
 
 
-def _split(node: Any, memo: Dict[fx.Node, Abstract]) -> Tuple[Band, List[fx.Node]]:
-    """(band of the recognised terms, the other terms) of a mask that is a conjunction."""
+def _split(node: Any, memo: Dict[fx.Node, Abstract], seq_len: int) -> Tuple[Band, List[fx.Node]]:
+    """(band of the recognised terms, the other terms) of a mask that is a conjunction. A term
+    the abstract evaluation cannot follow gets a band from its values when it reads only constants
+    and buffers (:mod:`.mask_buffers`)::
+
+        (kv <= q) & pad[b, kv]          ->  Band(hi=0), [pad[b, kv]]
+        ~(bias[:, :, :S, :S] == 0)      ->  Band(hi=0), []             (bias: a tril buffer)
+    """
     if isinstance(node, fx.Node) and node.target in _AND_TARGETS:
-        (band_a, rest_a), (band_b, rest_b) = (_split(a, memo) for a in node.args[:2])
+        (band_a, rest_a), (band_b, rest_b) = (_split(a, memo, seq_len) for a in node.args[:2])
         return _intersect(band_a, band_b), rest_a + rest_b
     if isinstance(node, fx.Node) and node.op == "call_method" and node.target in _TRANSPARENT \
             and isinstance(node.args[0], fx.Node) and _dtype(node) is _dtype(node.args[0]) is torch.bool:
-        return _split(node.args[0], memo)
+        return _split(node.args[0], memo, seq_len)
     try:
         value = _eval(node, memo)
     except Unrecognised:
-        return Band(), [node]
+        bounds = constant_band(node, seq_len) if isinstance(node, fx.Node) else None
+        return (Band(*bounds), []) if bounds is not None else (Band(), [node])
     if value == Flag(True) or value is True:
         return Band(), []
     return (value, []) if isinstance(value, Band) else (Band(), [node])
