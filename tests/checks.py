@@ -80,3 +80,34 @@ def cp_compile_warnings() -> Iterator[List[str]]:
         yield messages
     finally:
         logger.removeHandler(handler)
+
+
+def pieces_mismatches(records: List[Any], explained: Any) -> List[str]:
+    """What of ``explained`` (explain's record of a model traced as one graph, e.g. without its
+    graph breaks) the runtime's ``records`` of the same model compiled as several graphs (graph
+    breaks, DDPOptimizer's buckets) must show too; [] when all agree. Per graph only the runtime
+    knows where a piece starts, so compared: the CP group size, the attention source lines in
+    order (node names can differ: DDPOptimizer's pieces rename nodes) with every one the ring,
+    the fallbacks and unsplit attention by source line, and the activation bytes on one device
+    (the pieces split the one graph's intermediate tensors between them)."""
+    import re
+
+    def lines(msgs: List[str]) -> List[str]:  # a finding without the node name it carries
+        return [re.sub(r" \(node [^)]*\)", "", m) for m in msgs]
+
+    got = {
+        "world_size": sorted({r.world_size for r in records}),
+        "attention": [line for r in records for _, line in r.attention],
+        "rings": sum(r.rings for r in records),
+        "graphs whose attention is not all the ring": [i for i, r in enumerate(records) if r.rings != len(r.attention)],
+        "fallbacks": lines([f for r in records for f in r.fallbacks]),
+        "unsplit": lines([u for r in records for u in r.unsplit]),
+        "act_bytes_global": sum(r.act_bytes_global for r in records),
+    }
+    want = {
+        "world_size": [explained.world_size], "attention": [line for _, line in explained.attention],
+        "rings": explained.rings, "graphs whose attention is not all the ring": [],
+        "fallbacks": lines(explained.fallbacks), "unsplit": lines(explained.unsplit),
+        "act_bytes_global": explained.act_bytes_global,
+    }
+    return [f"{k}: runtime {got[k]!r}, explain {want[k]!r}" for k in want if got[k] != want[k]]

@@ -16,6 +16,7 @@ run eagerly in one process on the full sequence (fp32, relative error <= 1e-5):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Optional
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import hf_models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from checks import layout_mismatches  # noqa: E402
+from checks import explain_record, layout_mismatches  # noqa: E402
 
 TOL = 1e-5
 B, D = 2, 16
@@ -89,6 +90,7 @@ def _rank_masked(kind: str, S: int, dynamic: bool = False) -> dict:
     torch._dynamo.reset()
     model = kind.replace("_additive", "")
     ref_model, cp_model = MaskedAttention(model), MaskedAttention(model)
+    explained = explain_record(ref_model, (), _inputs(kind, S), world_size=2)
     backend = cp_compile.RingCP(inner="aot_eager")
     compiled = torch.compile(cp_model, backend=backend, fullgraph=True, dynamic=dynamic or None)
     loss_err = grad_err = 0.0
@@ -103,6 +105,10 @@ def _rank_masked(kind: str, S: int, dynamic: bool = False) -> dict:
         refs = dict(ref_model.named_parameters())
         grad_err = max([grad_err] + [_rel(p.grad, refs[n].grad) for n, p in cp_model.named_parameters()])
         loss_err = max(loss_err, _rel(loss.detach(), ref.detach()))
+    records = backend.records  # explain says what the runtime did; it traces static shapes, so under
+    if dynamic:  # dynamic=True the per-rank bytes of the symbolic graph (padding rows assumed) are its own
+        records = [dataclasses.replace(r, act_bytes_local=explained.act_bytes_local) for r in records]
+    assert records == [explained], (backend.records, explained)
     rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
     return {"loss": loss_err, "grad": grad_err, "fallbacks": len(backend.fallbacks), "graphs": len(backend.graphs),
             "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}
@@ -137,13 +143,16 @@ def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
     attention_mask[0, pad] = 0
     labels[0, pad] = -100
     ref_model, cp_model = (hf_models.hf_model(family, **overrides) for _ in range(2))
-    ref = ref_model(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    kwargs = {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
+    with torch._dynamo.config.patch(specialize_float=True):  # as in tests/test_hf_models.py
+        explained = explain_record(ref_model, (), kwargs, world_size=2)
+    ref = ref_model(**kwargs)
     ref.loss.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
     with torch._dynamo.config.patch(specialize_float=True):
-        out = torch.compile(cp_model, backend=backend, fullgraph=True)(
-            input_ids=ids, attention_mask=attention_mask, labels=labels)
+        out = torch.compile(cp_model, backend=backend, fullgraph=True)(**kwargs)
     out.loss.backward()
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     refs = dict(ref_model.named_parameters())
     floor = 1e-3 * max(p.grad.double().norm().item() for p in refs.values())  # see test_hf_models._grad_errors
     grad = max(((p.grad.double() - refs[n].grad.double()).norm() / max(refs[n].grad.double().norm(), floor)).item()

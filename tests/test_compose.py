@@ -22,6 +22,11 @@ Llama with a tied embedding becomes three pieces, the middle one taking the hidd
 states and RoPE tables the first computed, the last one the head without attention).
 On 2 ranks without data parallelism, graph breaks check the same share contract: the
 shares summed over cp (what DDP/FSDP does) equal every parameter's gradient.
+
+``cp-compile explain`` (tests/checks.py, run on the unwrapped model, the CP group being the
+mesh's "cp" dim) must say what the runtime did: its record is the runtime's one record; under
+per-layer FSDP, the record of the layer graph (explain of one layer); where Dynamo splits the
+one graph explain traces (DDPOptimizer, graph breaks), what explain can know of the pieces.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import explain_record, pieces_mismatches  # noqa: E402
 
 DP, CP = 2, 2
 TOL = 1e-5
@@ -44,6 +50,7 @@ LR = 0.1
 # dim 128, 3 layers, vocab 2048, tied embedding: 2.1 MB of parameters, split by DDPOptimizer
 # (bucket_cap_mb=1) into embedding + layer 0 attention | the rest of the layers | head + loss.
 SPLIT_MODEL = {"dim": 128, "n_layers": 3, "vocab_size": 2048, "tie_embeddings": True}
+PER_LAYER = ("fsdp_per_layer", "fsdp_dp_allreduce")  # FSDP's hooks split the graph at each layer
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -137,12 +144,14 @@ def _compose(recipe: str, model_kw: dict):
     model, ids, labels = _global_batch(**model_kw)
     d = mesh.get_local_rank("dp")
     ids, labels = ids[d : d + 1], labels[d : d + 1]  # this dp rank's row; both cp ranks pass it whole
+    explained = None if recipe == "fsdp_per_layer_model" else _explain(recipe, model, ids, labels, mesh)  # refused
     run, backend = _wrap(recipe, model, mesh)
     # DDPOptimizer (Dynamo's default under DDP) splits the graph at DDP bucket boundaries:
     # on only where a recipe tests it.
     with torch._dynamo.config.patch(optimize_ddp=recipe == "ddp_optimizer"):
         loss = run(ids, labels)
         loss.backward()
+    _check_records(recipe, backend.records, explained)
     named = [(n.replace("._orig_mod", ""), p) for n, p in model.named_parameters()]  # torch.compile'd submodules
     grads = {n: _full(p.grad).clone() for n, p in named}
     torch.optim.SGD(model.parameters(), lr=LR).step()
@@ -150,6 +159,33 @@ def _compose(recipe: str, model_kw: dict):
     loss = loss.detach().clone()
     dist.all_reduce(loss)  # each dp row's loss is on CP ranks: the mean over all ranks = over dp
     return loss / dist.get_world_size(), grads, params, _graph_counts(backend)
+
+
+def _explain(recipe: str, model, ids, labels, mesh):
+    """What ``cp-compile explain`` says of the model this rank compiles (before it is wrapped, on
+    this rank's row; the CP group is the mesh's "cp" dim): the whole model's record, or under
+    per-layer FSDP the record of one layer, the graph that holds the attention."""
+    options = dict(world_size=CP, rank=mesh.get_local_rank("cp"),
+                   grad_sync="allreduce" if recipe.endswith("allreduce") else "none")
+    if recipe in PER_LAYER:
+        pos = torch.arange(ids.shape[1])
+        x, cos, sin = model.tok_emb(ids), model.rope_cos[pos], model.rope_sin[pos]  # what the layers take
+        return explain_record(model.layers[0], (x, cos, sin), **options)
+    return explain_record(model, (ids, labels), **options)
+
+
+def _check_records(recipe: str, records: list, explained) -> None:
+    """explain's record is the runtime's: of the one graph; under per-layer FSDP, of the layer graph
+    (one compiled graph serves every layer; the embedding, norm and head are graphs of their own,
+    without attention, that explain cannot trace apart); under DDPOptimizer, what explain can know
+    of the pieces Dynamo splits the one graph into (checks.pieces_mismatches)."""
+    if recipe in PER_LAYER:
+        assert [r for r in records if r.attention] == [explained], (records, explained)
+        assert all(r.rings == 0 for r in records if not r.attention), records
+    elif recipe == "ddp_optimizer":
+        assert not pieces_mismatches(records, explained), (pieces_mismatches(records, explained), records)
+    else:
+        assert records == [explained], (records, explained)
 
 
 def _graph_counts(backend) -> dict:
@@ -246,9 +282,15 @@ def _graph_break_shares(model_kw: dict):
     torch._dynamo.reset()
     ref_model, inputs = models.llama_factory(**model_kw)
     cp_model, _ = models.llama_factory(**model_kw)
+    # explain traces one graph and refuses graph breaks (its error: remove them): its record of the
+    # model without them is compared with what the runtime's graphs show of it together
+    whole, _ = models.llama_factory(**{k: v for k, v in model_kw.items() if not k.startswith("graph_break")})
+    explained = explain_record(whole, inputs, world_size=dist.get_world_size(), grad_sync="none")
     ref_model(*inputs).backward()
     backend = cp_compile.RingCP(inner="aot_eager", grad_sync="none")
     torch.compile(cp_model, backend=backend)(*inputs).backward()
+    assert not pieces_mismatches(backend.records, explained), (pieces_mismatches(backend.records, explained),
+                                                               backend.records)
     errs = {}
     for (name, p), (_, p_ref) in zip(cp_model.named_parameters(), ref_model.named_parameters()):
         share = _rel(p.grad, p_ref.grad)

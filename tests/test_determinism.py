@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import explain_record  # noqa: E402
 from cp_compile.kernels import register_kernel  # noqa: E402
 from cp_compile.kernels.aten import AtenKernel  # noqa: E402
 
@@ -100,9 +101,12 @@ def _model_runs():
         torch._dynamo.reset()
         model, inputs = models.llama_factory(seq_len=61)  # padded: 61 is not a multiple of 4
         kernel = "aten" if seed == 0 else _jitter(seed)
-        compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager", kernel=kernel), fullgraph=True)
+        explained = explain_record(model, inputs, world_size=dist.get_world_size(), kernel=kernel)
+        backend = cp_compile.RingCP(inner="aot_eager", kernel=kernel)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
         loss = compiled(*inputs)
         loss.backward()
+        assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
         runs.append((loss.detach(), [p.grad for p in model.parameters()]))
     return runs
 

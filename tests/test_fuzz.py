@@ -13,7 +13,9 @@ or 4) and in a single process on the full sequence, and must agree:
   need padding), compiled with ``ring_cp`` (inner aot_eager): loss and every
   parameter gradient within 1e-5 relative of the eager single-process run (a
   gradient's error is relative to at least 1e-3 of the whole gradient's norm, so
-  that gradients that are exactly zero, held as rounding noise, compare sensibly).
+  that gradients that are exactly zero, held as rounding noise, compare sensibly),
+  and ``cp-compile explain``'s record of every one equal to the runtime's
+  (``RingCP.records``; world size 1 compiles unchanged and records nothing).
 
 Profiles (environment variable ``HYPOTHESIS_PROFILE``):
 
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import explain_record  # noqa: E402
 from test_ring_exact import _ring_fwd_bwd, assemble, make_inputs, relerr, sdpa_fwd_bwd  # noqa: E402
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
@@ -154,11 +157,15 @@ def _model_case_fn(case: dict):
     kw = dict(seq_len=case["seq_len"], batch=case["batch"], seed=case["seed"], **case["cfg"])
     ref_model, inputs = make(**kw)
     cp_model, _ = make(**kw)
+    world = case["world"]  # 1: no process group; explain needs a CP group of 2 or more
+    explained = explain_record(ref_model, inputs, world_size=world, **case["options"]) if world > 1 else None
     ref = ref_model(*inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager", **case["options"])
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
     out.backward()
+    # explain says what the runtime did; a CP group of 1 compiles the graph unchanged, recording nothing
+    assert backend.records == ([explained] if world > 1 else []), (backend.records, explained, case)
     return _rel(out.detach(), ref.detach()), _grad_err(cp_model, ref_model), len(backend.graphs)
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import cp_compile_warnings, loss_through_ring_cp
+from checks import cp_compile_warnings, explain_record, loss_through_ring_cp
 
 TOL = 1e-5
 
@@ -185,6 +185,9 @@ def _warned(name: str) -> dict:
     with cp_compile_warnings() as warnings:
         backend = cp_compile.RingCP(inner="aot_eager")
         out = torch.compile(cp_model, backend=backend)(*inputs)
+    # explain says what the runtime did; asked after it (its warnings, once per line, would come first)
+    explained = explain_record(ref_model, inputs, world_size=2)
+    assert backend.records == [explained], (backend.records, explained)
     return {"err": _rel(out.detach(), ref_model(*inputs).detach()), "graphs": len(backend.graphs),
             "warnings": warnings}
 

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import explain_record  # noqa: E402
 from cp_compile.backend import INNER, BackendOptions  # noqa: E402
 from cp_compile.options import KERNELS, LOAD_BALANCES, ROTATES, literal_choices  # noqa: E402
 
@@ -98,14 +99,33 @@ def _run_with(option: str, label: str):
     dynamic = None
     if option == "inputs" and label == "local":  # the data loader hands each rank its shard
         ids, labels, dynamic = cp_compile.shard(ids, 1), cp_compile.shard(labels, 1), True
+    explained = _explain(ref_model, ids, labels, options, dynamic)
     out = torch.compile(cp_model, backend=backend, dynamic=dynamic)(ids, labels)
     out.backward()
+    records = backend.records  # explain says what the runtime did
+    if dynamic:  # explain's graph is static but for the sequence dims: the per-rank bytes are the runtime's own
+        records = [dataclasses.replace(r, act_bytes_local=explained.act_bytes_local) for r in records]
+    assert records == [explained], (option, label, backend.records, explained)
     if option == "grad_sync" and label == "none":  # each rank holds its share: DDP/FSDP would sum them
         for p in cp_model.parameters():
             dist.all_reduce(p.grad)
     grads = [_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())]
     rings = sum("ring_attention_fwd" in str(n.target) for gm in backend.graphs for n in gm.graph.nodes)
     return _rel(out.detach(), ref.detach()), max(grads), rings
+
+
+def _explain(model, ids, labels, options: dict, dynamic):
+    """``cp-compile explain``'s record of ``model`` compiled with ``options``. It runs without a
+    process group (the CP group is its world_size); inner and timeout do not reach the rewrite.
+    Explain traces static shapes, and inputs="local" needs a symbolic sequence length (the rewrite
+    refuses it otherwise): then the sequence dims of (copies of) the shards are marked dynamic."""
+    rewrite = {k: dict(v) if isinstance(v, dict) else v  # a copy: seq_inputs={...} is the backend's too
+               for k, v in options.items() if k not in ("mesh", "inner", "timeout")}
+    if dynamic:
+        ids, labels = ids.clone(), labels.clone()
+        for t in (ids, labels):
+            torch._dynamo.mark_dynamic(t, 1)
+    return explain_record(model, (ids, labels), world_size=dist.get_world_size(), **rewrite)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -130,13 +150,18 @@ def _decorated_step(label: str):
     ref = ref_model(ids, labels)
     ref.backward()
 
-    @cp_compile.context_parallel(mesh=_mesh(label), shard={"input_ids": 1, "labels": 1}, inner="aot_eager")
+    shard = {"input_ids": 1, "labels": 1}
+    # Dynamo splits the step at loss.backward(): explain traces the model, the graph with the attention
+    explained = explain_record(ref_model, (ids, labels), world_size=dist.get_world_size(), seq_inputs=dict(shard))
+
+    @cp_compile.context_parallel(mesh=_mesh(label), shard=shard, inner="aot_eager")
     def step(model, input_ids, labels):
         loss = model(input_ids, labels)
         loss.backward()
         return loss
 
     out = step(cp_model, ids, labels)
+    assert [r for r in step.backend.records if r.attention] == [explained], (step.backend.records, explained)
     grads = [_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())]
     return _rel(out.detach(), ref.detach()), max(grads)
 

@@ -90,8 +90,13 @@ def test_a_resharded_fallback_is_exact(ranks, world: int, seq_len: int) -> None:
 def _break_before_head() -> dict:
     """The example Llama with a graph break before its final norm and head: the second graph
     has no attention and takes the whole (B, S, D) hidden states."""
+    from checks import explain_record, pieces_mismatches
+
     torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = (models.llama_factory(graph_break_before_head=True) for _ in range(2))
+    # explain traces one graph and refuses graph breaks (its error: remove them): its record of the
+    # model without the break is compared with what the runtime's two graphs show of it together
+    explained = explain_record(models.llama_factory()[0], inputs, world_size=2)
     records: list = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
@@ -101,6 +106,8 @@ def _break_before_head() -> dict:
         out = torch.compile(cp_model, backend=backend)(*inputs)
     finally:
         logging.getLogger("cp_compile").removeHandler(handler)
+    assert not pieces_mismatches(backend.records, explained), (pieces_mismatches(backend.records, explained),
+                                                               backend.records)
     err = ((out.double() - ref_model(*inputs).double()).abs() / out.double().abs()).item()
     plain = [r for r in backend.records if not r.attention]
     return {"err": err, "whole": [r.whole_inputs for r in plain], "summary": [r.summary() for r in plain],

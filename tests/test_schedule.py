@@ -35,6 +35,7 @@ import models  # noqa: E402
 
 import cp_compile  # noqa: E402
 from cp_compile.schedule import schedule_collectives  # noqa: E402
+from checks import explain_record  # noqa: E402
 
 TOL = 1e-5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,6 +166,7 @@ def _ring_rewrite(gm, example_inputs, seen: dict) -> fx.GraphModule:
     backend = cp_compile.RingCP(inner="eager")
     backend(gm, example_inputs)
     (rewritten,) = backend.graphs
+    seen["records"] = backend.records
     seen["inputs"] = [n.name for n in rewritten.graph.nodes if n.op == "placeholder"]
     return rewritten
 
@@ -195,6 +197,7 @@ def _llama_aot_eager_scheduled():
     from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
     ref_model, ref, cp_model, inputs = _reference_and_cp()
+    explained = explain_record(ref_model, inputs, world_size=dist.get_world_size())
     seen = {}
 
     def compiler(kind):
@@ -210,6 +213,7 @@ def _llama_aot_eager_scheduled():
 
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
     out.backward()
+    assert seen["records"] == [explained], (seen["records"], explained)  # explain says what the rewrite did
 
     bw = seen["bw"]
     before = {name: i for i, name in enumerate(seen["bw_before"])}
@@ -290,6 +294,7 @@ def _llama_inductor_cold_then_warm(cache_dir: str):
         for warm in (False, True):
             counters.clear()
             ref_model, ref, cp_model, inputs = _reference_and_cp()
+            explained = explain_record(ref_model, inputs, world_size=dist.get_world_size())
             backend = cp_compile.RingCP(inner="inductor")  # the backend applies inductor_overlap_config() itself
 
             def run():
@@ -298,6 +303,7 @@ def _llama_inductor_cold_then_warm(cache_dir: str):
                 return out
 
             out, codes = run_and_get_code(run)
+            assert backend.records == [explained], (backend.records, explained)  # explain says what it did
             res = {"errors": _errors(ref_model, ref, cp_model, out), "aot": dict(counters["aot_autograd"])}
             if not warm:
                 seen = {"inputs": [n.name for n in backend.graphs[0].graph.nodes if n.op == "placeholder"]}

@@ -16,6 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
+from checks import explain_record  # noqa: E402
+
+SHARD = {"input_ids": 1, "labels": 1}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,7 +39,7 @@ class Trainer:
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
 
-    @cp_compile.context_parallel(shard={"input_ids": 1, "labels": 1}, inner="aot_eager")
+    @cp_compile.context_parallel(shard=SHARD, inner="aot_eager")
     def step(self, input_ids, labels):
         return plain_step(self.model, self.optimizer, input_ids, labels)
 
@@ -45,6 +48,10 @@ def _train(steps: int, mode: str):
     torch._dynamo.reset()
     ref_model, (ids, labels) = models.llama_factory(seq_len=48)
     cp_model, _ = models.llama_factory(seq_len=48)
+    # The step is compiled as several graphs (Dynamo splits it at loss.backward(); the optimizer
+    # step has no attention): explain traces the model's forward, the graph that holds the attention.
+    explained = explain_record(ref_model, (ids, labels), world_size=torch.distributed.get_world_size(),
+                               seq_inputs=dict(SHARD))
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     cp_opt = torch.optim.SGD(cp_model.parameters(), lr=0.1) if mode == "sgd" else torch.optim.AdamW(cp_model.parameters(), lr=1e-2)
     if mode == "sgd":
@@ -52,15 +59,21 @@ def _train(steps: int, mode: str):
     if mode == "method":
         trainer = Trainer(cp_model, cp_opt)
         step = lambda i, l: trainer.step(i, l)  # noqa: E731
+        backend = Trainer.step.backend  # one per class, kept across calls of this function
     else:
         local = mode == "local"
-        decorated = cp_compile.context_parallel(plain_step, shard={"input_ids": 1, "labels": 1}, inner="aot_eager",
+        decorated = cp_compile.context_parallel(plain_step, shard=SHARD, inner="aot_eager",
                                                 inputs="local" if local else "full")
         step = lambda i, l: decorated(cp_model, cp_opt, *((cp_compile.shard(i, 1), cp_compile.shard(l, 1)) if local else (i, l)))  # noqa: E731,E501
+        backend = decorated.backend
+    seen = len(backend.records)
     ref_losses, cp_losses = [], []
     for _ in range(steps):
         ref_losses.append(plain_step(ref_model, ref_opt, ids, labels).item())
         cp_losses.append(step(ids, labels).item())
+    records = backend.records[seen:]
+    assert [r for r in records if r.attention] == [explained], (records, explained)  # explain says what it did
+    assert all(r.rings == 0 and not r.unsplit for r in records if not r.attention), records
     param_err = max(_rel(p, q) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
     return ref_losses, cp_losses, param_err
 

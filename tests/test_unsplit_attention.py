@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import cp_compile
-from checks import cp_compile_warnings
+from checks import cp_compile_warnings, explain_record
 
 TOL = 1e-5
 
@@ -58,11 +58,15 @@ def _run(name: str, strict: bool) -> dict:
     """On every rank: the warnings logged, the loss error against one process (or the refusal)."""
     torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
+    backend = cp_compile.RingCP(inner="aot_eager", strict=strict)
     with cp_compile_warnings() as warnings:
         try:
-            out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager", strict=strict))(*inputs)
+            out = torch.compile(cp_model, backend=backend)(*inputs)
         except Exception as e:  # Dynamo wraps backend errors
             return {"error": f"{type(e).__name__}: {e}"}
+    # explain says what the runtime did; asked after it (its warnings, once per line, would come first)
+    explained = explain_record(ref_model, inputs, world_size=2, strict=strict)
+    assert backend.records == [explained], (backend.records, explained)
     ref = ref_model(*inputs)
     err = ((out.double() - ref.double()).abs() / ref.double().abs()).item()
     return {"warnings": warnings, "err": err}
