@@ -86,7 +86,7 @@ def simulate(world: int, args) -> List[Dict[str, Any]]:
     block), so load from other processes on the machine falls on every layout alike.
     """
     from cp_compile.kernels import get_kernel
-    from cp_compile.layout import rank_positions
+    from cp_compile.sequence import rank_positions
     from cp_compile.ring.plan import segment_pairs, source_rank, step_segments
 
     c = args.local_len

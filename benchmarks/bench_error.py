@@ -55,7 +55,7 @@ def simulate_ring(kernel, q, k, v, dout, world: int) -> Dict[str, Any]:
     """The zig-zag ring's forward and backward arithmetic for ``world`` ranks, in one process."""
     import torch
 
-    from cp_compile.layout import rank_positions
+    from cp_compile.sequence import rank_positions
     from cp_compile.ring.merge import empty_partial, merge_
     from cp_compile.ring.plan import source_rank, step_segments
 

@@ -58,7 +58,7 @@ def schedule_rank(rank: int, world: int, args) -> Dict[str, List[float]]:
     import torch
     import torch.distributed as dist
 
-    from cp_compile._group import resolve_group
+    from cp_compile.group import resolve_group
     from cp_compile.ring.comm import GradSink, kv_blocks
 
     group = resolve_group(None)
@@ -117,7 +117,7 @@ def real_rank(rank: int, world: int, args) -> Dict[str, List[float]]:
     import torch.distributed as dist
 
     import cp_compile
-    from cp_compile._group import resolve_group
+    from cp_compile.group import resolve_group
     from cp_compile.kernels import register_kernel
 
     kernel = TimedAten()

@@ -1,14 +1,31 @@
 """cp_compile: context parallelism for unmodified PyTorch transformers.
 
-Public API: the ``ring_cp`` torch.compile backend (:class:`RingCP`,
-``backend="ring_cp"``), the training-step decorator :func:`context_parallel`, :func:`ring_attention` (exact attention over a sequence
-split across a context-parallel group), :func:`shard` / :func:`unshard` /
-:func:`positions` (load-balanced sequence layouts).
+Public API (this module): the ``ring_cp`` torch.compile backend (:class:`RingCP`,
+``backend="ring_cp"``, options :class:`BackendOptions`), the training-step decorator
+:func:`context_parallel`, :func:`ring_attention` (exact attention over a sequence split
+across a context-parallel group, options :class:`RingOptions`), and :func:`shard` /
+:func:`unshard` / :func:`positions` (the load-balanced sequence layouts).
+
+The package, one screen (docs/design.md explains each part)::
+
+    cp_compile/
+      options.py, errors.py      typed options (Literal choices) and the exceptions
+      sequence.py, group.py      sequence layouts over ranks; resolving the CP group
+      step.py                    @context_parallel: a whole training step
+      graph_ops.py               the collectives a rewritten graph calls (all-reduce, gather, ...)
+      backend/                   what Dynamo calls: RingCP, rewrite_for_cp, the per-graph record,
+                                 its cost counts, overlap scheduling, AOT cache, run-time guards
+      passes/                    the FX passes, in order (passes/__init__.py): attention forms ->
+                                 find attention + masks/ -> sequence inputs/origins -> rewrite
+                                 (emitter, rules/ table, rule oracle, row selection) -> repropagate
+      ring/                      the ring attention op: custom ops, loops, comm, plan, merge, faults
+      kernels/                   block kernels: aten (CPU/CUDA), reference, triton (GPU)
+      tools/                     the cp-compile CLI: explain, dump, plan (nothing at run time)
 """
 
-from .backend import BackendOptions, RingCP
+from .backend.compiler import BackendOptions, RingCP
 from .options import RingOptions
-from .layout import positions, shard, unshard
+from .sequence import positions, shard, unshard
 from .ring import ring_attention
 from .step import context_parallel
 

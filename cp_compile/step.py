@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .backend import RingCP
-from .layout import unshard
+from .backend.compiler import RingCP
+from .sequence import unshard
 
 
 def context_parallel(

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import cp_compile
-from cp_compile.layout import rank_positions
+from cp_compile.sequence import rank_positions
 
 from _measure import mmap_threshold_env, peak_mib  # examples/_measure.py
 

@@ -34,12 +34,12 @@ def _tensors(tree: Any) -> List[torch.Tensor]:
 
 def explain_record(model: torch.nn.Module, args: tuple = (), kwargs: Any = None, world_size: int = 2,
                    rank: Any = None, **options: Any) -> Any:
-    """The :class:`cp_compile.record.GraphRecord` that ``cp-compile explain --rank R`` prints for
+    """The :class:`cp_compile.backend.record.GraphRecord` that ``cp-compile explain --rank R`` prints for
     ``model`` (one graph, traced without a process group; R: this process's rank when a process
     group is up, else 0). Resets Dynamo: call it before compiling."""
     import torch.distributed as dist
 
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0

@@ -1,4 +1,4 @@
-"""The AOTAutograd-cache patch (cp_compile.aot_cache): what it marks, and that its key
+"""The AOTAutograd-cache patch (cp_compile.backend.aot_cache): what it marks, and that its key
 follows the source. The cache hit itself, and exactness from a warm cache shared by
 two ranks, are tested in
 test_schedule.py::test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits."""
@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch._functorch._aot_autograd import autograd_cache
 
 from cp_compile import graph_ops
-from cp_compile.aot_cache import aot_cache_config, source_hash
+from cp_compile.backend.aot_cache import aot_cache_config, source_hash
 
 
 def test_source_hash_follows_every_file(tmp_path):
@@ -41,7 +41,7 @@ def test_helpers_bypass_the_cache_without_the_patch_and_pass_with_it():
     x = graph.placeholder("x")
     graph.output(graph.call_function(graph_ops.grad_scale, (x, 0.5)))
     node = next(n for n in graph.nodes if n.op == "call_function")
-    with pytest.raises(autograd_cache.BypassAOTAutogradCache):  # else: revisit cp_compile.aot_cache
+    with pytest.raises(autograd_cache.BypassAOTAutogradCache):  # else: revisit cp_compile.backend.aot_cache
         autograd_cache.check_node_safe(node)
     with torch._inductor.config.patch(aot_cache_config()):
         autograd_cache.check_node_safe(node)
@@ -50,7 +50,7 @@ def test_helpers_bypass_the_cache_without_the_patch_and_pass_with_it():
 def test_every_function_a_rewritten_graph_calls_is_cacheable():
     """The rewrite of a model with an explicit mask (the widest set of emitted helpers) passes
     AOTAutograd's node check with the patch: no graph silently loses the cache."""
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
     from test_backend_masks import MaskedAttention, _inputs
 
     inputs = _inputs("causal_padding", 30)  # padded: gathers, masks and padding helpers too

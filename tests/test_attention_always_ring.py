@@ -92,8 +92,8 @@ def test_explain_shows_where_the_sequence_arises() -> None:
     """cp-compile explain's code path (inspect, no process group) makes the same rewrite: the
     ``cat`` of cls and patches is sharded right where it is computed (passes/seq_origins.py), so
     everything after it holds 1/N of the tokens; only the patch embedding runs whole."""
-    from cp_compile.inspect_format import format_explain
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain_format import format_explain
+    from cp_compile.tools.explain import inspect
 
     model, inputs = _vit(16)
     report = inspect(model, inputs, world_size=2)

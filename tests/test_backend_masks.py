@@ -1,8 +1,8 @@
 """Attention masks through the ring_cp backend: exact against one process, and never S x S whole.
 
-A mask is split (cp_compile/passes/masks.py) into what the ring op does by position
+A mask is split (cp_compile/passes/masks/classify.py) into what the ring op does by position
 (causal, full, a causal sliding window) and explicit terms, of which each rank builds
-only its own query rows (passes/mask_rows.py). Each case compiles a model unchanged and
+only its own query rows (passes/masks/rows.py). Each case compiles a model unchanged and
 compares, on 2 gloo ranks, its loss and every parameter gradient with the same model
 run eagerly in one process on the full sequence (fp32, relative error <= 1e-5):
 
@@ -180,7 +180,7 @@ def test_hf_attention_mask_with_padding_is_exact(ranks, family: str, side: str, 
         assert not r["layout"], (rank, r["layout"])  # the logits strided as the uncompiled model's
 
 
-# -- the rewrite alone (no process group: cp_compile.inspect_graph) ------------------------
+# -- the rewrite alone (no process group: cp_compile.tools.explain) ------------------------
 def _local_shapes(report) -> list:
     return [tuple(n.meta["val"].shape) for n in report.after.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
 
@@ -189,7 +189,7 @@ def _local_shapes(report) -> list:
 def test_no_rank_builds_more_of_a_mask_than_its_rows(kind: str, largest: tuple) -> None:
     """S = 64 on 2 ranks (c = 32): a key-padding mask stays (B, 1, 1, S); a mask that varies by
     query is built as this rank's (c, S) rows, never (S, S)."""
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     inputs = _inputs(kind, 64)
     report = inspect(MaskedAttention(kind), (inputs["x"], inputs["padding"]), world_size=2)
@@ -208,7 +208,7 @@ class _LearnedBias(torch.nn.Module):
 
 
 def test_a_mask_that_needs_a_gradient_is_refused_with_line_and_fix() -> None:
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
     from cp_compile.passes.context import CPRewriteError
 
     with pytest.raises(CPRewriteError) as err:
@@ -231,8 +231,8 @@ def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) 
     info), naming the attention's source line and the cheaper forms; key padding warns not."""
     import logging
 
-    from cp_compile.inspect_graph import inspect
-    from cp_compile.passes import mask_rows
+    from cp_compile.tools.explain import inspect
+    from cp_compile.passes.masks import rows as mask_rows
 
     monkeypatch.setattr(mask_rows, "_warned", False)
     caplog.set_level(logging.INFO, logger="cp_compile")

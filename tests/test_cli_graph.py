@@ -1,4 +1,4 @@
-"""``cp-compile dump`` / ``explain`` (cp_compile/cli_graph.py, cp_compile/inspect_graph.py).
+"""``cp-compile dump`` / ``explain`` (cp_compile/tools/graph_commands.py, cp_compile/tools/explain.py).
 
 Single process, no process group: the graph is traced once and rewritten for a
 synthetic CP group. The subcommands are called through a local parser built with
@@ -15,10 +15,10 @@ import textwrap
 import pytest
 import torch
 
-from cp_compile import cli_graph
-from cp_compile.cli_graph import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
-from cp_compile.inspect_graph import inspect
-from cp_compile.targets import TargetError, example_inputs, load_target
+from cp_compile.tools import graph_commands as cli_graph
+from cp_compile.tools.graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
+from cp_compile.tools.explain import inspect
+from cp_compile.tools.targets import TargetError, example_inputs, load_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS_PY = os.path.join(REPO, "examples", "models.py")

@@ -1,6 +1,6 @@
-"""``cp-compile plan`` (cp_compile.cli): numbers against hand arithmetic, docs/design.md §1's
+"""``cp-compile plan`` (cp_compile.tools.cli): numbers against hand arithmetic, docs/design.md §1's
 overlap thresholds, argument errors (exit 2, naming the fix), output, and the module
-entry point. Pure and single process; one subprocess for ``python -m cp_compile.cli``.
+entry point. Pure and single process; one subprocess for ``python -m cp_compile.tools.cli``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from cp_compile import cli
-from cp_compile.cli import HARDWARE, MODELS, main, overlap_threshold, plan_numbers
+from cp_compile.tools import cli
+from cp_compile.tools.cli import HARDWARE, MODELS, main, overlap_threshold, plan_numbers
 
 GIB = 2**30
 CASE = ["plan", "--model", "llama-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink"]
@@ -166,7 +166,7 @@ def test_main_warns_contiguous_causal_and_nothing_fits(capsys):
 
 def test_module_entry_point():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "cp_compile.cli", *a],  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "cp_compile.tools.cli", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=120, env=env)
     ok = run(*CASE, "--no-causal")
     assert ok.returncode == 0, ok.stderr

@@ -153,7 +153,7 @@ def test_hand_written_attention_becomes_the_ring(ranks, world: int, name: str) -
 def test_causal_triu_mask_becomes_the_causal_flag() -> None:
     """The triu-built mask is no tensor at all: the ring op gets causal=True and no attn_mask,
     and the S x S mask construction and scores are gone from the rewritten graph."""
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     model, inputs = _model("causal")
     report = inspect(model, inputs, world_size=2)
@@ -168,7 +168,7 @@ def test_causal_triu_mask_becomes_the_causal_flag() -> None:
 
 def test_fused_sdpa_keeps_the_source_line() -> None:
     """The SDPA that replaces the hand-written attention points at the model's `att @ v` line."""
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     model, inputs = _model("3-d")
     report = inspect(model, inputs, world_size=2)

@@ -163,7 +163,7 @@ def test_hf_llama_on_four_ranks_with_padding(ranks) -> None:
     _check(ranks.run(4, _compare, "llama", 60, {}, {}, timeout=300))
 
 
-# -- masks built in the graph, recognised structurally (no process group: cp_compile.inspect_graph) --
+# -- masks built in the graph, recognised structurally (no process group: cp_compile.tools.explain) --
 class _MaskedAttention(torch.nn.Module):
     """One attention over x (B, S, 16) with a mask written the way Hugging Face builds it."""
 
@@ -190,7 +190,7 @@ class _MaskedAttention(torch.nn.Module):
 @pytest.mark.parametrize("mask,causal", [("causal", True), ("causal_flipped", True),
                                          ("window_as_long_as_s", True), ("full", False)])
 def test_graph_built_masks_become_the_ring_causal_flag(mask: str, causal: bool) -> None:
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     S = 32
     report = inspect(_MaskedAttention(mask), (torch.randn(2, S, 16),), world_size=2)
@@ -203,7 +203,7 @@ def test_graph_built_masks_become_the_ring_causal_flag(mask: str, causal: bool) 
 
 def test_sliding_window_mask_becomes_the_ring_window() -> None:
     """A causal window shorter than S is the ring op's ``window`` (0 <= q - kv < W)."""
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     report = inspect(_MaskedAttention("window_4"), (torch.randn(2, 32, 16),), world_size=2)
     rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
@@ -229,7 +229,7 @@ class _RopeMatmul(torch.nn.Module):
 
 
 def test_rope_matmul_with_sharded_positions_needs_no_gather() -> None:
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     S = 32
     report = inspect(_RopeMatmul(), (torch.randn(2, S, 16), torch.arange(S)[None].expand(2, -1)), world_size=2)

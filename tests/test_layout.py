@@ -1,4 +1,4 @@
-"""Load-balanced sequence layouts (cp_compile.layout).
+"""Load-balanced sequence layouts (cp_compile.sequence).
 
 Three parts:
 - pure: ``rank_positions`` / ``check_seq_len`` for every world size 1..8 and layout;
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_compile.layout import (
+from cp_compile.sequence import (
     check_seq_len,
     positions,
     rank_positions,

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from cp_compile import backend as backend_mod  # noqa: E402
+from cp_compile.backend import compiler as backend_mod  # noqa: E402
 from cp_compile.kernels import get_kernel  # noqa: E402
 from checks import explain_record  # noqa: E402
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import model_styles  # noqa: E402
 
 from checks import loss_through_ring_cp  # noqa: E402
-from cp_compile.passes.rules_einsum import parse_equation  # noqa: E402
+from cp_compile.passes.rules.einsum import parse_equation  # noqa: E402
 
 TOL = 1e-5
 STYLES = [("llama3_complex_rope_factory", {}), ("llama3_complex_rope_factory", {"kv_heads": 4}),
@@ -87,7 +87,7 @@ class _Probe(nn.Module):
 
 
 def _fallbacks(op) -> list:
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
 
     torch.manual_seed(0)
     report = inspect(_Probe(op), (torch.randn(2, 16, 32),), world_size=2)

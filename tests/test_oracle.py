@@ -13,9 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checks import explain_record, loss_through_ring_cp
-from cp_compile.inspect_graph import inspect
+from cp_compile.tools.explain import inspect
 from cp_compile.passes import oracle
-from cp_compile.passes.rules import RULES
+from cp_compile.passes.rules.table import RULES
 
 S, D, TOL = 16, 8, 1e-5
 

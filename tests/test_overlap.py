@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import cp_compile
-from cp_compile._group import resolve_group
+from cp_compile.group import resolve_group
 from cp_compile.kernels import register_kernel
 from cp_compile.ring import comm
 

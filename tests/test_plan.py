@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_compile.layout import check_seq_len, rank_positions
+from cp_compile.sequence import check_seq_len, rank_positions
 from cp_compile.ring.plan import Segment, segment_pairs, source_rank, step_segments
 
 LOAD_BALANCES = ("zigzag", "striped", "contiguous")

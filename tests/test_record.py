@@ -1,4 +1,4 @@
-"""The per-graph record (cp_compile/record.py): what CP a graph got, one code path for the
+"""The per-graph record (cp_compile/backend/record.py): what CP a graph got, one code path for the
 runtime and ``cp-compile explain`` (the tests of whole models compare ``RingCP.records``
 with explain's record; see tests/checks.py). Here: the sharded fraction, and the WARNING
 when most of a rewritten graph stays whole on every rank."""
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import models  # noqa: E402
 
-from cp_compile.inspect_format import format_explain  # noqa: E402
-from cp_compile.inspect_graph import inspect  # noqa: E402
+from cp_compile.tools.explain_format import format_explain  # noqa: E402
+from cp_compile.tools.explain import inspect  # noqa: E402
 
 
 class _MixesEarly(nn.Module):

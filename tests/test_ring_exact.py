@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_compile
-from cp_compile.layout import rank_positions
+from cp_compile.sequence import rank_positions
 
 LOAD_BALANCES = ("zigzag", "striped", "contiguous")
 ROTATES = ("p2p", "allgather")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_compile
-from cp_compile.layout import rank_positions
+from cp_compile.sequence import rank_positions
 from test_ring_exact import assemble, relerr
 
 FP32 = 1e-5

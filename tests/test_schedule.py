@@ -1,4 +1,4 @@
-"""Overlap scheduling (cp_compile.schedule): every gradient all-reduce is issued as soon
+"""Overlap scheduling (cp_compile.backend.schedule): every gradient all-reduce is issued as soon
 as its gradient exists and waited as late as possible.
 
 * A hand-built backward-shaped FX graph (one process, never runs a collective): the
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from cp_compile.schedule import schedule_collectives  # noqa: E402
 from checks import explain_record  # noqa: E402
+from cp_compile.backend.schedule import schedule_collectives  # noqa: E402
 
 TOL = 1e-5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,7 +25,7 @@ import torch
 
 from cp_compile.kernels import get_kernel
 from cp_compile.kernels.triton import Tiles, TritonKernel, zero_grads
-from cp_compile.layout import rank_positions
+from cp_compile.sequence import rank_positions
 
 T16 = Tiles(16, 16)  # small tiles: several per block, partial last tiles
 FP32_RTOL = 1e-5

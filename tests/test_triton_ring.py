@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cp_compile.kernels.triton import Tiles, TritonKernel
-from cp_compile.layout import rank_positions
+from cp_compile.sequence import rank_positions
 from cp_compile.ring.merge import merge_
 from test_ring_exact import _ring_fwd_bwd, assemble, make_inputs, reference as sdpa_reference, relerr
 from test_triton_kernels import inputs, reference
@@ -140,7 +140,7 @@ def test_ring_with_triton_kernel_matches_sdpa(ranks, dtype_name):
 
 def _rank_padded(s: int, valid_len: int, causal: bool) -> dict:
     import cp_compile
-    from cp_compile._group import resolve_group
+    from cp_compile.group import resolve_group
 
     g = resolve_group(None)
     cfg = dict(b=1, h=4, hkv=2, s=s, d=24, seed=77)

@@ -95,8 +95,8 @@ def test_unsplit_attention_is_refused_under_strict(ranks, name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_explain_reports_the_same_finding(name: str) -> None:
-    from cp_compile.inspect_format import format_explain
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain_format import format_explain
+    from cp_compile.tools.explain import inspect
 
     model, inputs = _model(name)
     text = format_explain(inspect(model, inputs, world_size=2))
@@ -106,7 +106,7 @@ def test_explain_reports_the_same_finding(name: str) -> None:
 
 def test_a_plain_softmax_is_not_attention() -> None:
     """Softmax over a (B, C) logit vector, or over a non-square product: no warning."""
-    from cp_compile.inspect_graph import inspect
+    from cp_compile.tools.explain import inspect
     from cp_compile.passes.context import RewriteContext
     from cp_compile.passes.unsplit import find_unsplit_attention
 

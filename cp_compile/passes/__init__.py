@@ -1,5 +1,5 @@
 """FX graph passes of the ``ring_cp`` backend, run in this order by
-:func:`cp_compile.backend.rewrite_for_cp` (for the backend and for ``cp-compile explain``):
+:func:`cp_compile.backend.compiler.rewrite_for_cp` (for the backend and for ``cp-compile explain``):
 
 0. :mod:`.nested` — refuses nested (jagged) tensors, which Dynamo cannot trace
    attention on (it would run unsplit, outside the graph);
@@ -9,20 +9,19 @@
    :mod:`.fuse_attention` (``softmax(q @ kᵀ · scale + mask) @ v`` written by hand);
 2. :mod:`.find_attention` — the attention nodes and the sequence length S; a mask is
    split into what the ring op does by position (causal, full, a sliding window; also
-   read from constant buffers, :mod:`.mask_buffers`) and explicit terms (:mod:`.masks`,
-   :mod:`.mask_index`), whose rows the attention rule builds per rank (:mod:`.mask_rows`).
+   read from constant buffers, :mod:`.masks.buffers`) and explicit terms (:mod:`.masks.classify`,
+   :mod:`.masks.index`), whose rows the attention rule builds per rank (:mod:`.masks.rows`).
    No attention: :mod:`.unsplit` warns about attention it cannot split, and the graph is
    compiled unchanged (under ``grad_sync="none"`` :mod:`.grad_share` scales its parameter
    gradients to this rank's 1/N share);
 3. :mod:`.seq_inputs` — which graph inputs carry the sequence, and along which dim;
    :mod:`.seq_origins` — where none does, the nodes where the sequence arises;
 4. :mod:`.rewrite` — sequence-layout propagation emitting the per-rank graph: rules in
-   :mod:`.rules` (one table; :mod:`.rules_attention`, :mod:`.rules_einsum`,
-   :mod:`.rules_complex`, :mod:`.rules_getitem`), the rule oracle for ops with no rule
+   :mod:`.rules` (one table, rules by op class), the rule oracle for ops with no rule
    (:mod:`.oracle`, :mod:`.oracle_aten`), indices in :mod:`.seqindex`, rows selected
    upstream of an origin by :mod:`.row_select`;
 5. :mod:`.repropagate` — per-rank fake values on the rewritten graph; then
-   :func:`cp_compile.record.record_graph` records what the graph got.
+   :func:`cp_compile.backend.record.record_graph` records what the graph got.
 
 The layouts are defined in :mod:`.layouts`; what the passes share is in :mod:`.context`.
 """

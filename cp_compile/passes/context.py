@@ -9,16 +9,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+
+from ..errors import CPRewriteError  # noqa: F401 (raised by every pass; imported from here)
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int
 
-from .._group import CPGroup
-from ..layout import rank_positions, split_multiple
+from ..group import CPGroup
+from ..sequence import rank_positions, split_multiple
 
 log = logging.getLogger("cp_compile")
-
-
-class CPRewriteError(RuntimeError):
-    """The graph cannot be made context-parallel as asked; the message names the fix."""
 
 
 def source_line(node: fx.Node) -> str:
@@ -74,7 +72,7 @@ class RewriteContext:
     shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates
     fallbacks: List[str] = field(default_factory=list)
     unsplit: List[str] = field(default_factory=list)  # attention ring_cp cannot split (passes/unsplit.py)
-    record: Any = None  # the graph's cp_compile.record.GraphRecord, once rewrite_for_cp is done
+    record: Any = None  # the graph's cp_compile.backend.record.GraphRecord, once rewrite_for_cp is done
     local_outputs: List[int] = field(default_factory=list)  # outputs="local": flat positions of shard outputs
 
     @property

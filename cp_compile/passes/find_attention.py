@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
-from .masks import classify_mask
+from .masks.classify import classify_mask
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, log, source_line
-from .seq_inputs import is_parameter_like, refuse_unknown
+from .graph_inputs import is_parameter_like, refuse_unknown
 
 
 def grad_enabled_nodes(gm: fx.GraphModule) -> Set[fx.Node]:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .context import CPRewriteError, fake_value, source_line
-from .seq_inputs import user_name
+from .graph_inputs import user_name
 
 
 def _is_nested(node: fx.Node) -> bool:

@@ -33,8 +33,8 @@ from .emitter import Emitter, mutates
 from .find_attention import is_sdpa
 from .layouts import GLOBAL, Global, Sharded
 from .row_select import select_rows
-from .rules import apply_rule
-from .seq_inputs import is_parameter_like, refuse_unknown
+from .rules.table import apply_rule
+from .graph_inputs import is_parameter_like, refuse_unknown
 
 
 BUCKET_BYTES = 1 << 20  # 1-D parameters share one gradient all-reduce up to this size

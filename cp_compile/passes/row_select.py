@@ -3,7 +3,7 @@
 Used by the rewrite where the sequence arises inside the graph (:mod:`.seq_origins`):
 an *origin* holds the whole sequence on every rank and is indexed by this rank's
 positions. Indexing the finished value would compute it whole first; instead the
-selection moves up through the ops that built it, the way :mod:`.mask_rows` moves a
+selection moves up through the ops that built it, the way :mod:`.masks.rows` moves a
 mask's query rows up through the ops that build a mask:
 
     before (every rank, whole):   x = linear(patches)            (B, S-1, D)

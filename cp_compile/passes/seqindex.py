@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 import torch.fx as fx
 
-from ..layout import rank_positions, split_multiple
+from ..sequence import rank_positions, split_multiple
 
 Value = Union[int, fx.Node]
 

@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._group import CPGroup
+from ..group import CPGroup
 from ..options import LOAD_BALANCES, ROTATES
 from .faults import collective_hop, wait_hop
 

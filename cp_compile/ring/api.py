@@ -8,10 +8,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .._group import resolve_group
+from ..group import resolve_group
 from ..options import RingOptions
 from ..kernels import get_kernel
-from ..layout import check_seq_len
+from ..sequence import check_seq_len
 from .agree import check_device
 from .masking import additive_mask
 

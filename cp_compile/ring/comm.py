@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._group import CPGroup
+from ..group import CPGroup
 from .faults import Hop, collective_hop, comm_error, p2p_hop, wait_hop
 from .plan import source_rank
 

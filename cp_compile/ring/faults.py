@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from .._group import CPGroup
+from ..group import CPGroup
 
 
 class RingCommError(RuntimeError):

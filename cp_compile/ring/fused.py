@@ -21,7 +21,7 @@ from typing import Tuple
 
 import torch
 
-from .._group import CPGroup
+from ..group import CPGroup
 from .comm import GradSink, kv_blocks
 from .masking import BlockPositions, MaskSpec, any_visible
 from .plan import step_segments

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .._group import CPGroup
+from ..group import CPGroup
 from ..kernels import BlockKernel
 from .comm import GradSink, kv_blocks
 from .fused import ring_backward_fused, ring_forward_fused

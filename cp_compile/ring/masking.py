@@ -30,8 +30,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._group import CPGroup
-from ..layout import rank_positions
+from ..group import CPGroup
+from ..sequence import rank_positions
 from .plan import Segment
 
 Tensor = torch.Tensor

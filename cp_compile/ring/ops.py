@@ -17,7 +17,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .._group import group_by_name
+from ..group import group_by_name
 from ..kernels import get_kernel
 from .agree import check_device, check_same_call, metadata
 from .faults import RingGroup

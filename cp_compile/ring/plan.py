@@ -1,7 +1,7 @@
 """Which rectangles of a ring step are computed: the causal rules per layout, in one table.
 
 At ring step t, rank r holds the K/V block of rank ``src = (r - t) mod N``. Both
-blocks list their tokens in increasing global order (see :mod:`cp_compile.layout`),
+blocks list their tokens in increasing global order (see :mod:`cp_compile.sequence`),
 each of ``c`` tokens. A step is a tuple of :class:`Segment` s: dense rectangles
 (query rows x key rows), each either unmasked or causal with Lq == Lk (query i sees
 keys 0..i). Fully masked rectangles are never listed, so the kernels never see an

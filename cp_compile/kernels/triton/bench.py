@@ -74,8 +74,8 @@ def _zigzag_steps(seq_len: int, world: int) -> Dict[str, Tuple[slice, slice, int
 
 
 def run(args: argparse.Namespace) -> List[dict]:
-    from cp_compile.kernels.triton import TritonKernel, zero_grads
-    from cp_compile.layout import rank_positions
+    from . import TritonKernel, zero_grads
+    from ...sequence import rank_positions
 
     cuda = torch.cuda.is_available()
     device, seq = ("cuda", args.seq_len) if cuda else ("cpu", max(64 * args.world_size, args.seq_len // args.cpu_scale))

@@ -27,8 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from .context import global_shape
-from .layouts import Sharded
+from ..context import global_shape
+from ..layouts import Sharded
 
 
 def parse_equation(eq: str, ndims: Sequence[int]) -> Optional[Tuple[List[str], str]]:

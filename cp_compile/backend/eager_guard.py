@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Sequence
 
 import torch
 
-from .passes.context import CPRewriteError
+from ..passes.context import CPRewriteError
 
 _MAX_NODES = 100_000  # an autograd history longer than this is not walked to the end
 

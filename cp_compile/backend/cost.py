@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from . import graph_ops
+from .. import graph_ops
 
 KINDS = ("ring_attention", "shard", "grad_all_reduce", "grad_all_reduce_bucket", "all_reduce_sum", "gather",
          "grad_scale")
@@ -86,7 +86,7 @@ def to_int(d: Any) -> Any:
     """``d`` as an int (a SymInt's hint), or its text when it has none.
 
     A SymInt is read through its hint, never ``int()``: the backend builds the graph record
-    (cp_compile/record.py) while Dynamo's guards are still open, and ``int()`` would
+    (cp_compile/backend/record.py) while Dynamo's guards are still open, and ``int()`` would
     specialise the symbolic length (a recompile for every new sequence length)."""
     if isinstance(d, torch.SymInt):
         hint = d.node.hint

@@ -1,4 +1,4 @@
-"""Rendering of a :class:`cp_compile.inspect_graph.Report`: the ``explain`` summary,
+"""Rendering of a :class:`cp_compile.tools.explain.Report`: the ``explain`` summary,
 the ``dump`` text listing, Graphviz DOT and a self-contained HTML page."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import List
 
 import torch.fx as fx
 
-from .inspect_graph import NodeRow, Report, RingMask, format_shape, short_source
-from .passes.context import source_line
+from .explain import NodeRow, Report, RingMask, format_shape, short_source
+from ..passes.context import source_line
 
 # ---------------------------------------------------------------------------------- text output
 def human(n: int) -> str:
@@ -77,7 +77,7 @@ def format_explain(r: Report, target: str = "") -> str:
                  f"{human(r.act_bytes_global)} ({ratio:.2f}x)")
     lines.append("  crude upper bound: the sum of every intermediate tensor of the graph as if all were live at "
                  "once (views counted as copies, no reuse, backward buffers not included)")
-    if ctx.record is not None:  # the record RingCP.records holds for this graph at runtime (cp_compile.record)
+    if ctx.record is not None:  # the record RingCP.records holds for this graph at runtime (cp_compile.backend.record)
         lines.append(f"record: {ctx.record.summary()}")
     return "\n".join(lines)
 

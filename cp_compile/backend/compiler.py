@@ -19,23 +19,23 @@ from typing import Any, Callable, Dict, List, Optional, Set
 import torch
 import torch.fx as fx
 
-from ._group import resolve_group
+from ..group import resolve_group
 from .aot_cache import aot_cache_config
-from .options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)
+from ..options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)
 from .eager_guard import guard_eager_parameters
 from .local_guard import guard_local_shards
-from .passes.context import CPRewriteError, RewriteContext
-from .passes.expand_fastpath import expand_fastpath
-from .passes.expand_mha import expand_mha
-from .passes.find_attention import find_attention
-from .passes.fuse_attention import fuse_attention
-from .passes.grad_share import share_parameter_grads
-from .passes.nested import refuse_nested_tensors
-from .passes.rewrite import rewrite_graph
-from .passes.repropagate import repropagate
-from .passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
-from .passes.seq_origins import choose_seq_origins
-from .passes.unsplit import find_unsplit_attention
+from ..passes.context import CPRewriteError, RewriteContext
+from ..passes.expand_fastpath import expand_fastpath
+from ..passes.expand_mha import expand_mha
+from ..passes.find_attention import find_attention
+from ..passes.fuse_attention import fuse_attention
+from ..passes.grad_share import share_parameter_grads
+from ..passes.nested import refuse_nested_tensors
+from ..passes.rewrite import rewrite_graph
+from ..passes.repropagate import repropagate
+from ..passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
+from ..passes.seq_origins import choose_seq_origins
+from ..passes.unsplit import find_unsplit_attention
 from .record import GraphRecord, record_graph, warn_whole_sequence
 from .schedule import inductor_overlap_config, schedule_collectives
 
@@ -61,7 +61,7 @@ class RingCP:
         self.graphs: List[fx.GraphModule] = []  # rewritten graphs, for inspection
         self.fallbacks: List[str] = []  # every gather to the full sequence, with its source line
         self.no_attention: List[fx.GraphModule] = []  # graphs compiled without a rewrite (see grad_share)
-        self.records: List[GraphRecord] = []  # per compiled graph: what CP it got (cp_compile.record)
+        self.records: List[GraphRecord] = []  # per compiled graph: what CP it got (cp_compile.backend.record)
         self._seq_lens: Set[int] = set()  # sequence lengths of the graphs rewritten so far
 
     def __call__(
@@ -192,7 +192,7 @@ def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: Li
     Inductor: its own comm/compute reordering, passed as config_patches (the backward
     is compiled later, at the first .backward(), so a config context would have
     closed by then), with the patch that lets AOTAutograd's cache serve the graph
-    (:mod:`cp_compile.aot_cache`). aot_eager: the FX pass :func:`schedule_collectives`
+    (:mod:`cp_compile.backend.aot_cache`). aot_eager: the FX pass :func:`schedule_collectives`
     on both graphs.
     """
     if name == "inductor":

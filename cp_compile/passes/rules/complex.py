@@ -20,8 +20,8 @@ from typing import Any, Dict
 import torch
 import torch.fx as fx
 
-from .context import global_shape
-from .layouts import Sharded
+from ..context import global_shape
+from ..layouts import Sharded
 
 
 def complex_view(em, node: fx.Node):

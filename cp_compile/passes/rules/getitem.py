@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .context import global_shape
-from .layouts import GLOBAL, Sharded
+from ..context import global_shape
+from ..layouts import GLOBAL, Sharded
 
 
 def getitem(em: Any, node: fx.Node):
@@ -51,7 +51,7 @@ def getitem(em: Any, node: fx.Node):
 
 def _pick_position(em: Any, x: fx.Node, s: Sharded, index: tuple, at: int, i: int) -> fx.Node:
     """``x[index]`` where ``index[at]`` is the int ``i`` on the sequence dim ``s.dim`` (see the module doc)."""
-    from .. import graph_ops
+    from ... import graph_ops
 
     pos = i if i >= 0 else em.index.op(operator.add, em.index.S(), i)  # a global position in [0, S)
     nd = len(global_shape(x))

@@ -13,7 +13,7 @@ away (a sliding window, an ``attention_mask`` argument, ``torch.compile`` tracin
 Without a KV cache HF also checks for packed sequences: ``ids = cumsum(diff(position_ids,
 prepend=position_ids[:, :1] - 1) != 1)`` and ``mask &= ids[b, q] == ids[b, kv]``, and
 reads positions as ``position_ids[b, q]``; with ``position_ids = arange(S)`` those are
-the constant 0 and q again (:mod:`.mask_index` follows them).
+the constant 0 and q again (:mod:`.index` follows them).
 
 The mask's conjunction (``&`` through ``expand``/``to``) is split into its terms. Each
 term is first evaluated on abstract values, not on data: integer tensors affine in the
@@ -23,14 +23,14 @@ causal, no bound is full attention, ``-W < d <= 0`` a sliding window of W keys; 
 become the ring op's ``causal`` flag and ``window``, with no S x S tensor. A term read from a
 module buffer (nanoGPT's ``bias[:, :, :T, :T] == 0`` of a ``tril`` buffer), or otherwise
 computed from constants and gradient-free state only, is evaluated once at compile time and
-compared with a band (:mod:`.mask_buffers`)::
+compared with a band (:mod:`.buffers`)::
 
     ~(bias[:, :, :S, :S] == 0)         Band(hi=0): causal, as if built from positions
 
 Every other term (a key-padding mask read from ``attention_mask``, a mask passed in as an
 input, a float mask, a buffer that is no band, chunked attention, ...) is kept as an
 *explicit* mask: the rewrite computes only this rank's query rows of it
-(:mod:`.mask_rows`) and hands them to the ring op.
+(:mod:`.rows`) and hands them to the ring op.
 A band that is none of the three (a bidirectional window, say) makes the whole mask
 explicit. So every mask is exact; only the explicit part costs memory.
 """
@@ -44,9 +44,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.fx as fx
 
-from .context import fake_value, log, source_line
-from .mask_buffers import constant_band
-from .mask_index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
+from ..context import fake_value, log, source_line
+from ..graph_inputs import user_name
+from .buffers import constant_band
+from .index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
 
@@ -105,7 +106,7 @@ _TRANSPARENT = ("expand", "to", "contiguous", "bool")  # methods that keep a boo
 def _split(node: Any, memo: Dict[fx.Node, Abstract], seq_len: int) -> Tuple[Band, List[fx.Node]]:
     """(band of the recognised terms, the other terms) of a mask that is a conjunction. A term
     the abstract evaluation cannot follow gets a band from its values when it reads only constants
-    and buffers (:mod:`.mask_buffers`)::
+    and buffers (:mod:`.buffers`)::
 
         (kv <= q) & pad[b, kv]          ->  Band(hi=0), [pad[b, kv]]
         ~(bias[:, :, :S, :S] == 0)      ->  Band(hi=0), []             (bias: a tril buffer)
@@ -133,8 +134,6 @@ def _eval(arg: Any, memo: Dict[fx.Node, Abstract]) -> Abstract:
             return arg
         raise AssertionError(f"unexpected constant {arg!r}")
     if arg.op == "placeholder":
-        from .seq_inputs import user_name
-
         raise Unrecognised(arg, f"reads the model input '{user_name(arg)}', known only at run time (padding "
                                 "in attention_mask, or packed sequences in position_ids)")
     if arg not in memo:
@@ -146,7 +145,7 @@ def _eval(arg: Any, memo: Dict[fx.Node, Abstract]) -> Abstract:
 
 
 def _getitem(node: fx.Node, ev) -> Abstract:
-    """Indexing positions (mask_index.py); a mask may only gain size-1 dims."""
+    """Indexing positions (index.py); a mask may only gain size-1 dims."""
     x, index = ev(node.args[0]), node.args[1]
     flat = index if isinstance(index, tuple) else (index,)
     if isinstance(x, (Band, Flag)):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .passes.context import CPRewriteError
+from ..passes.context import CPRewriteError
 
 _TAG = "_cp_compile_local_shard"
 

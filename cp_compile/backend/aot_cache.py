@@ -28,7 +28,7 @@ import hashlib
 import os
 from typing import Any, Dict
 
-from . import graph_ops
+from .. import graph_ops
 
 __all__ = ["aot_cache_config", "source_hash"]
 

@@ -58,8 +58,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, statically_known_true
 
-from .context import fake_value, log, source_line
-from .mask_rows import is_elementwise
+from ..context import fake_value, log, source_line
+from ..graph_inputs import is_parameter_like, user_name
+from .rows import is_elementwise
 
 MAX_ELEMENTS = 1 << 24  # an intermediate may be this large even when the state it reads is smaller
 
@@ -77,7 +78,7 @@ _ALIASING = {"getitem", "getattr", "view", "view_as", "reshape", "reshape_as", "
              "swapdims", "unfold", "alias", "view_as_real", "view_as_complex", "real", "imag"}
 
 
-# beyond mask_rows.is_elementwise: ops whose value on x[:T, :T] is their value on x, cut to [:T, :T]
+# beyond rows.is_elementwise: ops whose value on x[:T, :T] is their value on x, cut to [:T, :T]
 _CORNER_SAFE = {"zeros_like", "ones_like", "full_like", "clone", "masked_fill_"}
 
 
@@ -142,7 +143,6 @@ def _evaluate(node: fx.Node, memo: Dict[fx.Node, _Value], leaves: List[fx.Node])
 
 def _state(node: fx.Node) -> torch.Tensor:
     """The real tensor behind a placeholder or get_attr that is gradient-free, unmutated state."""
-    from .seq_inputs import is_parameter_like  # not at the top: seq_inputs imports find_attention, masks, here
 
     if node.op == "get_attr":
         tensor = reduce(getattr, node.target.split("."), node.graph.owning_module)
@@ -341,7 +341,6 @@ def _band(keep: torch.Tensor, n: int) -> Optional[Bounds]:
 
 def _log(term: fx.Node, leaves: List[fx.Node], bounds: Optional[Bounds], prefix: bool) -> None:
     """INFO for each term that read state: what it is, and that its values were read now."""
-    from .seq_inputs import user_name
 
     state = [user_name(n) if n.op == "placeholder" else str(n.target) for n in leaves]
     what = _describe(bounds)

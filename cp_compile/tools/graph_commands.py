@@ -2,15 +2,15 @@
 
 Both run in one process with no process group. TARGET (``path/to/file.py:factory``) is
 a function returning ``(model, args)``, ``(model, kwargs)`` or ``(model, args, kwargs)``
-(:mod:`cp_compile.targets`); the model is called as ``model(*args, **kwargs)``, traced by
+(:mod:`cp_compile.tools.targets`); the model is called as ``model(*args, **kwargs)``, traced by
 Dynamo once and rewritten for a synthetic CP group of ``--world-size`` ranks (``--rank``, default 0
-shown). The logic is in :mod:`cp_compile.inspect_graph` (per-rank costs:
-:mod:`cp_compile.inspect_cost`). Exit codes: 0 ok; 2 bad TARGET or arguments; 1 the
+shown). The logic is in :mod:`cp_compile.tools.explain` (per-rank costs:
+:mod:`cp_compile.backend.cost`). Exit codes: 0 ok; 2 bad TARGET or arguments; 1 the
 model cannot be traced as one graph or rewritten (the message names the fix).
 
-Register in ``cp_compile/cli.py``::
+Register in ``cp_compile/tools/cli.py``::
 
-    from .cli_graph import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
+    from .graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
     add_dump_parser(sub); add_explain_parser(sub)          # in build_parser()
     COMMANDS = {"plan": cmd_plan, "dump": cmd_dump, "explain": cmd_explain}
 """
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .options import LOAD_BALANCES
+from ..options import LOAD_BALANCES
 from .targets import RETURN_HELP
 
 TARGET_HELP = (f"path/to/file.py:factory, a function returning {RETURN_HELP}; the model is called as "
@@ -127,9 +127,9 @@ def add_explain_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _report(args: argparse.Namespace, aot: bool = False):
     """(report, None) or (None, exit code) with the message printed to stderr."""
-    from .inspect_graph import InspectError, inspect
+    from .explain import InspectError, inspect
     from .targets import TargetError, load_target
-    from .passes.context import CPRewriteError
+    from ..passes.context import CPRewriteError
 
     try:
         model, example_args, example_kwargs = load_target(args.target, seq_len=args.seq_len)
@@ -146,7 +146,7 @@ def _report(args: argparse.Namespace, aot: bool = False):
 
 def cmd_dump(args: argparse.Namespace) -> int:
     """``cp-compile dump``; returns the exit code."""
-    from .inspect_format import format_dump_text
+    from .explain_format import format_dump_text
 
     if args.format == "svg" and shutil.which("dot") is None:
         print("cp-compile dump: --format svg needs the graphviz 'dot' program, which is not on PATH. "
@@ -163,7 +163,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     if report is None:
         return code
     if stages:
-        from .inspect_format import format_aot_text
+        from .explain_format import format_aot_text
 
         text = (format_dump_text(report, args.target) if args.stage == "all" else "") + format_aot_text(report, stages)
         if args.out is None:
@@ -181,7 +181,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def _write_dump_files(args: argparse.Namespace, report: Any) -> int:
     """Write the dump as ``--format`` files under ``--out`` (default ``cp-dump``), listing them."""
-    from .inspect_format import format_dot, format_dump_text, format_html
+    from .explain_format import format_dot, format_dump_text, format_html
 
     out = args.out or "cp-dump"
     try:
@@ -224,7 +224,7 @@ def _write_dump_files(args: argparse.Namespace, report: Any) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """``cp-compile explain``; returns the exit code."""
-    from .inspect_format import format_explain
+    from .explain_format import format_explain
 
     report, code = _report(args)
     if report is None:

@@ -1,6 +1,6 @@
 """This rank's query rows of an explicit attention mask, for the ring op's ``attn_mask``.
 
-Used by the attention rule (:mod:`.rules_attention`) for the mask terms that
+Used by the attention rule (:mod:`cp_compile.passes.rules.attention`) for the mask terms that
 :mod:`.masks` could not turn into ``causal``/``window``. The ring op takes this rank's
 rows over all keys, additive float32, ``(B|1, H|1, c|1, S_pad)``. Indexing the finished
 (B, 1, S, S) mask would build it whole on every rank first, so the row selection is
@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ring.masking import additive_mask
-from .context import CPRewriteError, global_shape, log, source_line
-from .layouts import Sharded
+from ...ring.masking import additive_mask
+from ..context import CPRewriteError, global_shape, log, source_line
+from ..layouts import Sharded
 
 # Ops whose output row i depends only on row i of each (broadcast) operand.
 _ELEMENTWISE_FUNCS = {
@@ -104,7 +104,7 @@ def _varies(em: Any, node: Any) -> bool:
 
 def is_elementwise(node: fx.Node) -> bool:
     """Whether output row i of ``node`` depends only on row i of each operand (``x == 0``, ``a & b``,
-    ``m.bool()``; not ``cumsum``, ``expand``). Also used by :mod:`.mask_buffers`."""
+    ``m.bool()``; not ``cumsum``, ``expand``). Also used by :mod:`.buffers`."""
     if node.op == "call_method":
         return node.target in _ELEMENTWISE_METHODS
     return node.op == "call_function" and node.target in _ELEMENTWISE_FUNCS

@@ -1,6 +1,6 @@
 """The record of one graph's rewrite: what context parallelism it got, from one code path.
 
-:func:`cp_compile.backend.rewrite_for_cp` builds a :class:`GraphRecord` for every graph
+:func:`cp_compile.backend.compiler.rewrite_for_cp` builds a :class:`GraphRecord` for every graph
 Dynamo hands over, rewritten or not; the backend keeps them (``RingCP.records``) and
 ``cp-compile explain`` prints the one of its graph, so the tool and the runtime cannot
 disagree about what a model gets. A graph with attention but little of its activation
@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
-from .inspect_cost import activation_bytes
-from .passes.context import RewriteContext, source_line
-from .passes.seq_inputs import user_name
+from .cost import activation_bytes
+from ..passes.context import RewriteContext, source_line
+from ..passes.graph_inputs import user_name
 
 log = logging.getLogger("cp_compile")
 
@@ -92,7 +92,7 @@ def warn_whole_sequence(gm: fx.GraphModule, example_inputs: List[object], seq_le
     """A graph without attention that takes activations as long as a sequence an earlier graph
     of this backend split (the logits after a graph break, say) runs on the whole sequence on
     every rank: record those inputs in ``rec.whole_inputs`` and log a WARNING once per graph."""
-    from .passes.seq_inputs import is_parameter_like
+    from ..passes.graph_inputs import is_parameter_like
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, ex in zip(placeholders, example_inputs):

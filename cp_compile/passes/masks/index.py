@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 import torch.fx as fx
 
-from .context import global_shape
+from ..context import global_shape
 
 
 @dataclass(frozen=True)

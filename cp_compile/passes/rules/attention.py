@@ -11,11 +11,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import graph_ops
-from .context import CPRewriteError, global_shape, source_line
-from .find_attention import SDPA_TARGETS, sdpa_arg
-from .layouts import GLOBAL, Sharded
-from .mask_rows import explicit_mask
+from ... import graph_ops
+from ..context import CPRewriteError, global_shape, source_line
+from ..find_attention import SDPA_TARGETS, sdpa_arg
+from ..layouts import GLOBAL, Sharded
+from ..masks.rows import explicit_mask
 
 
 def _kv_source(em, old: fx.Node):
@@ -74,7 +74,7 @@ def sdpa(em, node: fx.Node):
     k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
     v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
     # A mask is split into causal / window flags and explicit terms (masks.py); the ring op gets
-    # the flags and this rank's rows of the terms (mask_rows.py), and rewrite.py erases the
+    # the flags and this rank's rows of the terms (passes/masks/rows.py), and rewrite.py erases the
     # mask's O(S^2) construction, now unused.
     kind = em.ctx.masks.get(node)
     causal = kind.causal if kind is not None else bool(sdpa_arg(node, 5, "is_causal", False))

@@ -1,0 +1,87 @@
+"""The house rules of the source tree, checked rather than hoped for.
+
+* no module of ``cp_compile`` imports, directly or through others, a module that imports it
+  back (function-level imports count; ``if TYPE_CHECKING:`` imports never run, so they do not);
+* no Python file of the package, the tests, the examples or the benchmarks is much over
+  400 lines;
+* no citation of a design document outside the repository (the design is docs/design.md);
+* the test-tier tables in conftest.py name tests that exist.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from typing import Dict, Iterator, Set
+
+import networkx as nx
+
+import conftest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_LINES = 440  # "about 400"
+
+
+def _python_files(*tops: str) -> Iterator[str]:
+    for top in tops:
+        for d, _, files in os.walk(os.path.join(REPO, top)):
+            yield from (os.path.join(d, f) for f in files if f.endswith(".py"))
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _imports(path: str, module: str, known: Set[str]) -> Set[str]:
+    """The cp_compile modules ``module`` imports (an ancestor package's own __init__ excluded)."""
+    tree = ast.parse(open(path).read())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = ".".join(base[: len(base) - node.level + 1]) if node.level else ""
+            full = ".".join(p for p in (base, node.module or "") if p)
+            names = [full] + [f"{full}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in known and n != module and not module.startswith(n + ".")}
+    return out
+
+
+def test_no_module_imports_in_a_cycle() -> None:
+    paths: Dict[str, str] = {_module_name(p): p for p in _python_files("cp_compile")}
+    graph = nx.DiGraph()
+    for module, path in paths.items():
+        graph.add_edges_from((module, dep) for dep in _imports(path, module, set(paths)))
+    cycles = sorted(" -> ".join(c + [c[0]]) for c in nx.simple_cycles(graph))
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_file_is_much_over_400_lines() -> None:
+    long = {os.path.relpath(p, REPO): n for p in _python_files("cp_compile", "tests", "examples", "benchmarks")
+            if (n := sum(1 for _ in open(p))) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_no_citation_points_outside_the_repository() -> None:
+    pattern = re.compile(r"\bDESIGN(\.md)?\b")
+    found = [f"{os.path.relpath(p, REPO)}:{i}" for p in _python_files("cp_compile", "tests", "examples", "benchmarks")
+             if p != os.path.abspath(__file__) for i, line in enumerate(open(p), 1) if pattern.search(line)]
+    assert not found, f"cite docs/design.md instead: {found}"
+
+
+def test_tier_tables_name_existing_tests() -> None:
+    for table in (conftest.SLOW, conftest.INDUCTOR):
+        for module, names in table.items():
+            source = open(os.path.join(REPO, "tests", module)).read()
+            missing = [n for n in names if f"def {n}(" not in source and f"\n{n} = " not in source]
+            assert not missing, (module, missing)
