@@ -113,8 +113,13 @@ def stored_bytes(val: Any) -> int:
     return math.prod(sizes) * val.element_size() if all(isinstance(s, int) for s in sizes) else 0
 
 
-def activation_bytes(gm: fx.GraphModule, key: str) -> int:
-    """Bytes of every intermediate tensor (not inputs, parameters, buffers or parameter aliases)."""
+def activation_bytes(gm: fx.GraphModule, key: str, seq_scale: Optional[Tuple[Any, int]] = None) -> int:
+    """Bytes of every intermediate tensor (not inputs, parameters, buffers or parameter aliases).
+
+    ``seq_scale = (L, k)``: count every tensor as if the symbolic length ``L`` were k times its
+    value (under ``inputs="local"`` the traced graph has this rank's length: k = N gives the
+    one-device figure)."""
+    size = nbytes if seq_scale is None else (lambda v: _scaled_nbytes(v, *seq_scale))
     total = 0
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output") or node_kind(n) in ("grad_all_reduce",
@@ -123,8 +128,27 @@ def activation_bytes(gm: fx.GraphModule, key: str) -> int:
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
                 and node_kind(n.args[0]) == "grad_all_reduce_bucket":
             continue
-        total += nbytes(n.meta.get(key))
+        total += size(n.meta.get(key))
     return total
+
+
+def _scaled_nbytes(val: Any, length: Any, k: int) -> int:
+    """:func:`nbytes` with the symbol of ``length`` (a SymInt) taken as k times its hint."""
+    if not isinstance(val, torch.Tensor) or not isinstance(length, torch.SymInt):
+        return nbytes(val)
+    numel = val.numel()
+    if not isinstance(numel, torch.SymInt):
+        return nbytes(val)
+    sym, shape_env = length.node.expr, length.node.shape_env
+    known = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val  # renamed in torch 2.13
+    values = {s: known[s] for s in numel.node.expr.free_symbols if s in known}
+    if sym not in values:
+        return nbytes(val)
+    values[sym] = values[sym] * k
+    try:
+        return int(numel.node.expr.xreplace(values)) * val.element_size()
+    except (TypeError, ValueError):
+        return nbytes(val)
 
 
 def ring_arg(node: fx.Node, name: str, default: Any = None) -> Any:

@@ -74,7 +74,7 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
     rec = GraphRecord(world_size=ctx.group.size, attention=[(n.name, source_line(n)) for n in ctx.attention],
                       shard_inputs={names.get(k, k): d for k, d in ctx.shard_inputs.items()},
                       shard_nodes=dict(ctx.shard_nodes), fallbacks=list(ctx.fallbacks), unsplit=list(ctx.unsplit),
-                      act_bytes_global=activation_bytes(before, "example_value"))
+                      act_bytes_global=_one_device_bytes(before, ctx))
     if after is None:
         rec.act_bytes_local = rec.act_bytes_global
         return rec
@@ -85,6 +85,14 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
         rec.act_bytes_local = rec.act_bytes_global
     _warn_if_low(rec)
     return rec
+
+
+def _one_device_bytes(before: fx.GraphModule, ctx: RewriteContext) -> int:
+    """Activation bytes of ``before`` on one device. Under ``inputs="local"`` the traced graph
+    holds this rank's length (a symbol): counted at N times it, the whole sequence."""
+    if ctx.inputs == "local" and ctx.seq_sym is not None:
+        return activation_bytes(before, "example_value", (ctx.seq_sym, ctx.group.size))
+    return activation_bytes(before, "example_value")
 
 
 def warn_whole_sequence(gm: fx.GraphModule, example_inputs: List[object], seq_lens: Set[int],

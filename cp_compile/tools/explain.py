@@ -98,13 +98,15 @@ class Report:
 
 def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int = 2,
             load_balance: str = "zigzag", aot: bool = False, example_kwargs: Optional[Dict[str, Any]] = None,
-            rank: int = 0, **opts: Any) -> Report:
+            rank: int = 0, dynamic: bool = False, **opts: Any) -> Report:
     """Trace ``model(*example_inputs, **example_kwargs)`` with Dynamo and rewrite it for a CP group
     of ``world_size`` (the forms a ``cp-compile`` factory returns: :func:`cp_compile.tools.targets.example_inputs`).
 
     ``rank``: whose graph to show (ranks differ where the sequence is assembled inside the
-    graph: each takes its own rows of the pieces). ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs, inputs,
-    outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
+    graph: each takes its own rows of the pieces). ``dynamic``: trace with a symbolic sequence
+    length, as ``torch.compile(..., dynamic=True)`` does (always, under ``inputs="local"``,
+    which needs it). ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs,
+    inputs, outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
     AOTAutograd (fake tensors only) into the forward and backward graphs the inner
     compiler would get. Resets Dynamo's caches first (each call traces anew).
     Raises :class:`InspectError` when tracing fails and CPRewriteError when the
@@ -132,7 +134,8 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
 
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
+        dynamic = dynamic or opts.get("inputs") == "local"
+        compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)
         compiled(*example_inputs, **(example_kwargs or {}))
     except Exception as e:
         if "error" in state:

@@ -22,9 +22,9 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Dict, Union
 
-from ..options import LOAD_BALANCES
+from ..options import LOAD_BALANCES, ROTATES, GradSync, Mode, literal_choices
 from .targets import RETURN_HELP
 
 TARGET_HELP = (f"path/to/file.py:factory, a function returning {RETURN_HELP}; the model is called as "
@@ -81,8 +81,26 @@ _world_size = _int_at_least("--world-size", 2, " (a CP group of 1 is never rewri
 _seq_len = _int_at_least("--seq-len", 1)
 
 
+def _seq_inputs(text: str) -> Union[str, Dict[str, int]]:
+    """``--seq-inputs input_ids=1,labels=1`` -> {"input_ids": 1, "labels": 1} (BackendOptions.seq_inputs);
+    ``auto`` stays "auto"."""
+    if text == "auto":
+        return text
+    out: Dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        name, eq, dim = part.partition("=")
+        try:
+            if not eq or not name.strip():
+                raise ValueError
+            out[name.strip()] = int(dim)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--seq-inputs takes NAME=DIM[,NAME=DIM...], got {text!r}")
+    return out
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    """The arguments dump and explain share: TARGET, --world-size, --seq-len, --load-balance."""
+    """The arguments dump and explain share: TARGET, the CP group and the ring_cp options that
+    change the rewrite, so the record printed is the one the runtime keeps with the same options."""
     p.add_argument("target", metavar="TARGET", help=TARGET_HELP)
     p.add_argument("--world-size", type=_world_size, default=2, metavar="N", help="ranks in the CP group (default 2)")
     p.add_argument("--seq-len", type=_seq_len, default=None, metavar="S",
@@ -90,6 +108,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-balance", choices=LOAD_BALANCES, default="zigzag")
     p.add_argument("--rank", type=_int_at_least("--rank", 0), default=0, metavar="R",
                    help="whose graph to show (default 0); ranks differ where the sequence is assembled in the model")
+    p.add_argument("--dynamic", action="store_true",
+                   help="trace with a symbolic sequence length, as torch.compile(dynamic=True) (implied by "
+                        "--inputs local)")
+    opt = p.add_argument_group("ring_cp options (as in BackendOptions; defaults as there)")
+    opt.add_argument("--seq-inputs", type=_seq_inputs, default="auto", metavar="NAME=DIM[,...]",
+                     help="which forward() arguments carry the sequence, and along which dim, or auto (default)")
+    opt.add_argument("--inputs", choices=literal_choices(Mode), default="full")
+    opt.add_argument("--outputs", choices=literal_choices(Mode), default="full")
+    opt.add_argument("--grad-sync", choices=literal_choices(GradSync), default="allreduce")
+    opt.add_argument("--kernel", default="auto")
+    opt.add_argument("--rotate", choices=ROTATES, default="p2p")
+    opt.add_argument("--strict", action="store_true", help="refuse instead of warning where the rewrite would gather")
 
 
 def add_dump_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -138,7 +168,9 @@ def _report(args: argparse.Namespace, aot: bool = False):
         return None, 2
     try:
         return inspect(model, example_args, args.world_size, args.load_balance, aot=aot,
-                       example_kwargs=example_kwargs, rank=args.rank), 0
+                       example_kwargs=example_kwargs, rank=args.rank, dynamic=args.dynamic,
+                       seq_inputs=args.seq_inputs, inputs=args.inputs, outputs=args.outputs,
+                       grad_sync=args.grad_sync, kernel=args.kernel, rotate=args.rotate, strict=args.strict), 0
     except (CPRewriteError, InspectError, ValueError) as e:
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 1

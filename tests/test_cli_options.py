@@ -1,0 +1,59 @@
+"""``cp-compile explain`` takes the ring_cp options that change the rewrite, so the record it
+prints is the one the runtime keeps with the same options (``tools/graph_commands.py``).
+
+Each value a flag documents runs; each flag reaches the rewrite (the printed record, or the
+report's context, changes as the same option changes it when passed to ``inspect``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_cli_graph import LLAMA, run
+
+from cp_compile.tools.explain import inspect
+from cp_compile.tools.targets import load_target
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--dynamic"], ["--inputs", "local"], ["--inputs", "full"], ["--outputs", "local"], ["--outputs", "full"],
+    ["--grad-sync", "none"], ["--grad-sync", "allreduce"], ["--kernel", "reference"], ["--rotate", "allgather"],
+    ["--rotate", "p2p"], ["--strict"], ["--seq-inputs", "auto"], ["--seq-inputs", "input_ids=1,labels=1"],
+], ids=lambda f: " ".join(f) or "defaults")
+def test_every_option_flag_runs_and_reaches_the_rewrite(flags, capsys):
+    code, out, err = run(["explain", LLAMA, *flags], capsys)
+    assert code == 0, err
+    model, args, kwargs = load_target(LLAMA)
+    options = {"inputs": "full", "outputs": "full", "grad_sync": "allreduce", "kernel": "auto", "rotate": "p2p",
+               "seq_inputs": "auto", "strict": False}
+    for name, value in zip(flags[::2], flags[1::2] + [None]):
+        key = name[2:].replace("-", "_")
+        if key in options:
+            options[key] = {"input_ids": 1, "labels": 1} if value == "input_ids=1,labels=1" else value
+    options["strict"] = "--strict" in flags
+    ctx = inspect(model, args, example_kwargs=kwargs, dynamic="--dynamic" in flags, **options).ctx
+    for key, value in options.items():
+        assert getattr(ctx, key) == value, key
+    assert f"record: {ctx.record.summary()}" in out  # the record explain printed is this one
+    if "labels=1" in " ".join(flags):
+        assert "labels (dim 1)" in out
+
+
+def test_strict_refuses_what_would_gather(tmp_path, capsys):
+    path = tmp_path / "shifted.py"
+    path.write_text(f"import sys\nsys.path.insert(0, {os.path.join(REPO, 'examples')!r})\nimport models\n"
+                    "def factory(seq_len=64):\n    return models.llama_factory(seq_len=seq_len, shift_labels_inside=True)\n")
+    code, _, err = run(["explain", f"{path}:factory"], capsys)
+    assert code == 0, err
+    code, _, err = run(["explain", f"{path}:factory", "--strict"], capsys)
+    assert code == 1 and "strict" in err
+
+
+def test_bad_seq_inputs_names_the_form(capsys):
+    with pytest.raises(SystemExit) as e:
+        run(["explain", LLAMA, "--seq-inputs", "input_ids"], capsys)
+    assert e.value.code == 2
+    assert "NAME=DIM" in capsys.readouterr().err
