@@ -67,7 +67,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _compare(seq_len: int) -> dict:
-    torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _vit(seq_len), _vit(seq_len)
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     targets = [n.target for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]

@@ -16,19 +16,16 @@ run eagerly in one process on the full sequence (fp32, relative error <= 1e-5):
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import hf_models  # noqa: E402
+import hf_models
 
-import cp_compile  # noqa: E402
-from checks import explain_record, layout_mismatches  # noqa: E402
+import cp_compile
+from checks import explain_record, layout_mismatches
 
 TOL = 1e-5
 B, D = 2, 16
@@ -86,7 +83,6 @@ def _inputs(kind: str, S: int) -> dict:
 
 def _rank_masked(kind: str, S: int, dynamic: bool = False) -> dict:
     """Errors of ring_cp against one process; ``dynamic``: one graph for S and S - 2 (padded)."""
-    torch._dynamo.reset()
     model = kind.replace("_additive", "")
     ref_model, cp_model = MaskedAttention(model), MaskedAttention(model)
     explained = explain_record(ref_model, (), _inputs(kind, S), world_size=2, dynamic=dynamic)
@@ -131,7 +127,6 @@ def test_masks_in_the_model_are_exact(ranks, kind: str, S: int, ring: tuple) -> 
 
 def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
     """HF ``model(input_ids, attention_mask, labels)`` with row 0 padded on ``side``."""
-    torch._dynamo.reset()
     S = 64
     ids, labels = hf_models.hf_tokens(S)
     attention_mask = torch.ones_like(ids)

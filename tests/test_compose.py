@@ -31,18 +31,15 @@ one graph explain traces (DDPOptimizer, graph breaks), what explain can know of 
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-import cp_compile  # noqa: E402
-from checks import explain_record, pieces_mismatches  # noqa: E402
+import cp_compile
+from checks import explain_record, pieces_mismatches
 
 DP, CP = 2, 2
 TOL = 1e-5
@@ -279,7 +276,6 @@ def test_per_layer_fsdp_with_an_eager_embedding_is_refused(ranks):
 def _graph_break_shares(model_kw: dict):
     """grad_sync="none" across graph breaks: (share err, summed err) per parameter, and the
     number of rewritten graphs and of graphs without attention."""
-    torch._dynamo.reset()
     ref_model, inputs = models.llama_factory(**model_kw)
     cp_model, _ = models.llama_factory(**model_kw)
     # explain traces one graph and refuses graph breaks (its error: remove them): its record of the
@@ -316,7 +312,6 @@ def test_graph_breaks_with_grad_sync_none_leave_shares_that_sum_to_the_gradient(
 
 def _local_inputs_across_a_break() -> str:
     """inputs="local" with a graph break after the embedding: the error (or "")."""
-    torch._dynamo.reset()
     model, (ids, labels) = models.llama_factory(graph_break_after_embedding=True)
     backend = cp_compile.RingCP(inner="aot_eager", inputs="local")
     try:

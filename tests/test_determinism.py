@@ -16,22 +16,19 @@ on every rank and every run) makes ranks finish their steps at different times.
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-import cp_compile  # noqa: E402
-from checks import explain_record  # noqa: E402
-from cp_compile.kernels import register_kernel  # noqa: E402
-from cp_compile.kernels.aten import AtenKernel  # noqa: E402
+import cp_compile
+from checks import explain_record
+from cp_compile.kernels import register_kernel
+from cp_compile.kernels.aten import AtenKernel
 
 JITTER = "test_jitter_aten"
 

@@ -32,18 +32,16 @@ SDPA, the backend compiles the graph unchanged); 2 and 4 use the ``ranks`` pools
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-import cp_compile  # noqa: E402
-from checks import explain_record  # noqa: E402
-from test_ring_exact import _ring_fwd_bwd, assemble, make_inputs, relerr, sdpa_fwd_bwd  # noqa: E402
+import cp_compile
+from checks import explain_record
+from test_ring_exact import _ring_fwd_bwd, assemble, make_inputs, relerr, sdpa_fwd_bwd
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -152,7 +150,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _model_case_fn(case: dict):
     """(loss rel err, max parameter-gradient rel err, #graphs rewritten) of ring_cp vs eager."""
-    torch._dynamo.reset()
     make = getattr(models, case["factory"])
     kw = dict(seq_len=case["seq_len"], batch=case["batch"], seed=case["seed"], **case["cfg"])
     ref_model, inputs = make(**kw)

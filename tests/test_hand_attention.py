@@ -128,7 +128,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _compare(name: str) -> dict:
-    torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     targets = [n.target for gm in backend.graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
@@ -178,7 +177,6 @@ def test_fused_sdpa_keeps_the_source_line() -> None:
 
 
 def _warned(name: str) -> dict:
-    torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
     import cp_compile
 

@@ -11,17 +11,14 @@ with no op gathering the sequence.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import hf_models  # noqa: E402
+import hf_models
 
-import cp_compile  # noqa: E402
-from checks import explain_record, layout_mismatches  # noqa: E402
+import cp_compile
+from checks import explain_record, layout_mismatches
 
 TOL = 1e-5
 
@@ -53,7 +50,6 @@ def _compare(family: str, seq_len: int, overrides: dict, options: dict, lengths:
 
     ``lengths``: compile with ``dynamic=True`` and run these sequence lengths too (errors: the worst).
     """
-    torch._dynamo.reset()
     ref_model, cp_model = (hf_models.hf_model(family, **overrides) for _ in range(2))
     backend = cp_compile.RingCP(inner="aot_eager", **options)
     with torch._dynamo.config.patch(specialize_float=True):  # attention_dropout stays a constant 0.0

@@ -122,7 +122,6 @@ def _run(name: str, strict: bool = False, explain: bool = False) -> dict:
     """On every rank: loss / gradient errors vs one process, ring ops, fallbacks, warnings.
     ``explain``: also check that cp-compile explain's record is the runtime's (it logs the
     same warnings first, once per line, so the warning tests leave it off)."""
-    torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
     explained = explain_record(ref_model, inputs, world_size=dist.get_world_size()) if explain else None
     ref = ref_model(*inputs)
@@ -246,7 +245,6 @@ def _eval_model(name: str):
 
 def _run_eval(name: str) -> dict:
     """On every rank, under no_grad: the output's error vs one process, what Dynamo recorded, the ring ops."""
-    torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _eval_model(name), _eval_model(name)
     world = dist.get_world_size()
     seen: list = []

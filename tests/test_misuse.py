@@ -21,20 +21,17 @@ model recompiles under automatic dynamic shapes (``reshape(x.size())``); a neste
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-import cp_compile  # noqa: E402
-from cp_compile.backend import compiler as backend_mod  # noqa: E402
-from cp_compile.kernels import get_kernel  # noqa: E402
-from checks import explain_record  # noqa: E402
+import cp_compile
+from cp_compile.backend import compiler as backend_mod
+from cp_compile.kernels import get_kernel
+from checks import explain_record
 
 MISMATCH = "the ranks of the CP group called the ring op with different arguments"
 
@@ -96,7 +93,6 @@ def test_ranks_with_different_arguments_all_raise(ranks):
 
 def _compiled_mismatch_rank_fn():
     """The ring_cp backend where rank 1 passes a longer sequence than rank 0."""
-    torch._dynamo.reset()
     seq_len = 32 if dist.get_rank() == 0 else 48
     model, inputs = models.llama_factory(seq_len=seq_len)
     compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)
@@ -261,7 +257,6 @@ def test_local_outputs_across_a_graph_break_are_refused(ranks):
 
 def _dynamic_reshape_to_size():
     """``y.reshape(x.shape)`` under dynamic shapes: Dynamo emits ``x.size()`` as a graph value."""
-    torch._dynamo.reset()
     backend = cp_compile.RingCP(inner="aot_eager")
     layer = _Attention()
     explained = explain_record(layer, (torch.randn(2, 64, 16),), world_size=dist.get_world_size(), dynamic=True)
@@ -295,7 +290,6 @@ class _JaggedAttention(torch.nn.Module):
 
 
 def _jagged_batch():
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = _JaggedAttention()
     x = torch.nested.nested_tensor([torch.randn(5, 16), torch.randn(7, 16)], layout=torch.jagged)

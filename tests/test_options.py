@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import typing
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-import cp_compile  # noqa: E402
-from checks import explain_record  # noqa: E402
-from cp_compile.backend import INNER, BackendOptions  # noqa: E402
-from cp_compile.options import KERNELS, LOAD_BALANCES, ROTATES, literal_choices  # noqa: E402
+import cp_compile
+from checks import explain_record
+from cp_compile.backend import INNER, BackendOptions
+from cp_compile.options import KERNELS, LOAD_BALANCES, ROTATES, literal_choices
 
 TOL = 1e-5
 
@@ -89,7 +87,6 @@ def _value(option: str, label: str):
 
 def _run_with(option: str, label: str):
     """On every rank: (loss rel err, max grad rel err, ring ops in the graph) with option=value."""
-    torch._dynamo.reset()
     ref_model, (ids, labels) = models.llama_factory()
     cp_model, _ = models.llama_factory()
     ref = ref_model(ids, labels)
@@ -137,7 +134,6 @@ def test_option_value_compiles_runs_and_is_exact(ranks, option, label):
 
 def _decorated_step(label: str):
     """``@context_parallel(mesh=<label>, shard=...)`` around a whole training step."""
-    torch._dynamo.reset()
     ref_model, (ids, labels) = models.llama_factory()
     cp_model, _ = models.llama_factory()
     ref = ref_model(ids, labels)

@@ -6,19 +6,16 @@ when most of a rewritten graph stays whole on every rank."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-from cp_compile.tools.explain_format import format_explain  # noqa: E402
-from cp_compile.tools.explain import inspect  # noqa: E402
+from cp_compile.tools.explain_format import format_explain
+from cp_compile.tools.explain import inspect
 
 
 class _MixesEarly(nn.Module):

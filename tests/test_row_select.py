@@ -109,7 +109,6 @@ def _whole_rows(gm: torch.fx.GraphModule, lengths: set) -> list:
 
 
 def _compare(kind: str, seq_len: int) -> dict:
-    torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _build(kind, seq_len), _build(kind, seq_len)
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     pieces = {t.shape[1] for t in inputs if t.dim() >= 2}

@@ -22,7 +22,6 @@ import copy
 import os
 import re
 import shutil
-import sys
 import uuid
 from unittest import mock
 
@@ -30,12 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-import cp_compile  # noqa: E402
-from checks import explain_record  # noqa: E402
-from cp_compile.backend.schedule import schedule_collectives  # noqa: E402
+import cp_compile
+from checks import explain_record
+from cp_compile.backend.schedule import schedule_collectives
 
 TOL = 1e-5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

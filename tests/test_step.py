@@ -6,17 +6,14 @@ reference, identical on every rank) with its own copy of the model and optimizer
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
-import cp_compile  # noqa: E402
-from checks import explain_record  # noqa: E402
+import cp_compile
+from checks import explain_record
 
 SHARD = {"input_ids": 1, "labels": 1}
 
@@ -45,7 +42,6 @@ class Trainer:
 
 
 def _train(steps: int, mode: str):
-    torch._dynamo.reset()
     ref_model, (ids, labels) = models.llama_factory(seq_len=48)
     cp_model, _ = models.llama_factory(seq_len=48)
     # The step is compiled as several graphs (Dynamo splits it at loss.backward(); the optimizer

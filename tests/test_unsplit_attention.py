@@ -56,7 +56,6 @@ def _model(name: str):
 
 def _run(name: str, strict: bool) -> dict:
     """On every rank: the warnings logged, the loss error against one process (or the refusal)."""
-    torch._dynamo.reset()
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
     backend = cp_compile.RingCP(inner="aot_eager", strict=strict)
     with cp_compile_warnings() as warnings:
