@@ -211,15 +211,9 @@ class EvalEncoder(nn.Module):
         return self.enc(x)
 
 
-class EvalMHA(nn.Module):
+class EvalMHA(DirectMHA):
     """(8) bare ``nn.MultiheadAttention`` in eval mode under no_grad, ``need_weights=False``;
-    (9) its fast-path op called directly, its weights (10) used."""
-
-    def __init__(self, style: str) -> None:
-        super().__init__()
-        self.style = style
-        self.proj = nn.Linear(DIM, DIM)
-        self.mha = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+    (9) its fast-path op called directly, its weights (10) used (DirectMHA's layers)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)  # (B, S, D)

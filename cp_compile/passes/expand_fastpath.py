@@ -60,7 +60,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .context import CPRewriteError, RewriteContext, fake_value, log, source_line
 from .expand_mha import weights_used
-from .fake_emit import FakeEmitter
+from .fake_emit import FakeEmitter, finish_expansion
 
 ENCODER_LAYER = torch._transformer_encoder_layer_fwd
 NATIVE_MHA = torch._native_multi_head_attention
@@ -89,12 +89,7 @@ def expand_fastpath(gm: fx.GraphModule, ctx: RewriteContext) -> int:
             _expand_mha(gm.graph, node, a)
         _erase_unused(gm.graph, [mask])
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-        log.info("cp_compile: expanded %d eval-mode fast-path attention op(s) into scaled_dot_product_attention",
-                 count)
-    return count
+    return finish_expansion(gm, count, "eval-mode fast-path attention op(s)")
 
 
 def _bind(node: fx.Node) -> Dict[str, Any]:

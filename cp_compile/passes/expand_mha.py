@@ -47,7 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .context import CPRewriteError, RewriteContext, fake_value, log, source_line
-from .fake_emit import FakeEmitter
+from .fake_emit import FakeEmitter, finish_expansion
 
 MHA = F.multi_head_attention_forward
 _PARAMS = inspect.signature(MHA)
@@ -67,12 +67,7 @@ def expand_mha(gm: fx.GraphModule, ctx: RewriteContext) -> int:
             continue
         _expand(gm.graph, node, a)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-        log.info("cp_compile: expanded %d multi_head_attention_forward call(s) into scaled_dot_product_attention",
-                 count)
-    return count
+    return finish_expansion(gm, count, "multi_head_attention_forward call(s)")
 
 
 def _bind(node: fx.Node) -> Dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any, List
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 
-from .context import fake_value
+from .context import fake_value, log
 
 _COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
@@ -59,3 +59,12 @@ class FakeEmitter:
             node.meta["example_value"] = (target(*fargs, **fkwargs) if op == "call_function"
                                           else getattr(fargs[0], target)(*fargs[1:], **fkwargs))
         return node
+
+
+def finish_expansion(gm: fx.GraphModule, count: int, what: str) -> int:
+    """After a pass replaced ``count`` nodes by their ops: check and recompile ``gm``, log it."""
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+        log.info("cp_compile: expanded %d %s into scaled_dot_product_attention", count, what)
+    return count

@@ -138,17 +138,12 @@ def _in_place(node: fx.Node) -> bool:
 
 
 def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
-    leaves, spec = _leaves(node)
     dims = _seq_dims(em, node)
     S = em.ctx.seq_len
-    values = [_hint(fake_value(a)) if isinstance(a, fx.Node) else a for a in leaves]
-    if any(type(v) is int and v in (S, em.ctx.padded_len) for v in values):
-        return None  # a length baked into the arguments would be wrong on the local values
-    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    graph = trace(node, values, spec, tensors)
-    if graph is None:
+    traced = _aten_graph(node, (S, em.ctx.padded_len))
+    if traced is None:
         return None
-    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    graph, tensors, placeholders = traced
     seq = {p: dims[i] for p, i in zip(placeholders, tensors) if dims[i] is not None}
     whole = {p: i for p, i in zip(placeholders, tensors) if dims[i] is None}
     for _ in range(len(whole) + 1):  # each round may shard one more whole input, then re-runs
@@ -160,6 +155,21 @@ def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
             return None  # a whole value that is not a per-position table of the node's inputs
         seq[p] = d
     return None
+
+
+def _aten_graph(node: fx.Node, lengths: Tuple[int, ...]) -> Optional[Tuple[fx.GraphModule, List[int], List[fx.Node]]]:
+    """``node`` alone as an ATen graph, the flat positions of its tensor arguments and the graph's
+    placeholders for them; None when an int argument equals one of ``lengths`` (a length baked
+    into the arguments would be wrong on the local values) or the node cannot be traced."""
+    leaves, spec = _leaves(node)
+    values = [_hint(fake_value(a)) if isinstance(a, fx.Node) else a for a in leaves]
+    if any(type(v) is int and v in lengths for v in values):
+        return None
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    graph = trace(node, values, spec, tensors)
+    if graph is None:
+        return None
+    return graph, tensors, [n for n in graph.graph.nodes if n.op == "placeholder"]
 
 
 def _finish(out: Any, graph: fx.GraphModule, seq: Dict[fx.Node, int], whole: Dict[fx.Node, int],
@@ -216,15 +226,10 @@ def rows_from_inputs(node: fx.Node, out_dim: int, length: int, world: int) -> Op
 def _rows_verdict(node: fx.Node, out_dim: int, length: int, world: int) -> Optional[Dict[int, int]]:
     if node.op not in ("call_function", "call_method") or _in_place(node):
         return None
-    leaves, spec = _leaves(node)
-    values = [_hint(fake_value(a)) if isinstance(a, fx.Node) else a for a in leaves]
-    if any(type(v) is int and v == length for v in values):
-        return None  # the length baked into the arguments would be wrong for the selected rows
-    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    graph = trace(node, values, spec, tensors)
-    if graph is None:
+    traced = _aten_graph(node, (length,))
+    if traced is None:
         return None
-    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    graph, tensors, placeholders = traced
     for p in placeholders:  # seed with each input dim of the right size; Want adds the others
         for d, size in enumerate(p.meta["val"].shape):
             if size == length:
