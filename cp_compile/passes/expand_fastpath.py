@@ -58,7 +58,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .context import CPRewriteError, RewriteContext, fake_value, log, source_line
+from .context import CPRewriteError, RewriteContext, fake_value, source_line
 from .expand_mha import weights_used
 from .fake_emit import FakeEmitter, finish_expansion
 
