@@ -3,7 +3,9 @@ the single-process run on the full sequence.
 
 Each rank builds the model twice from one seed: one copy runs eagerly on the full
 sequence (the single-device reference, identical on every rank), the other is
-compiled with ring_cp and runs context-parallel. Tiny models, fp32, aot_eager.
+compiled with ring_cp and runs context-parallel. Tiny models, fp32, aot_eager. What the
+backend records of a model is what ``cp-compile explain`` prints (across a graph break: of
+the graph with attention). Changing and symbolic lengths: tests/test_backend_dynamic.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from checks import layout_mismatches, loss_through_ring_cp  # noqa: E402
+from checks import explain_record, loss_through_ring_cp  # noqa: E402
 from cp_compile.passes.context import CPRewriteError  # noqa: E402
 
 TOL = 1e-5
@@ -77,8 +79,10 @@ def test_model_loss_and_grads_match_single_device(ranks, factory, kw, options):
 def _kv_heads_on_the_ring(gqa_mode: str):
     torch._dynamo.reset()
     model, inputs = models.llama_factory(gqa_mode=gqa_mode)
+    explained = explain_record(model, inputs, world_size=dist.get_world_size())
     backend = cp_compile.RingCP(inner="aot_eager")
     torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     return [n.args[1].meta["example_value"].shape[1] if "example_value" in n.args[1].meta else None
             for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
 
@@ -121,33 +125,15 @@ def test_strict_refuses_token_mixing_with_op_and_source_line(ranks):
         assert "models.py:" in msg and "logits[:, :-1" in msg and "strict=True" in msg
 
 
-def _outputs(mode: str, dynamic):
-    torch._dynamo.reset()
-    model, (ids, _labels) = models.llama_factory()
-    ref = model(ids).detach()
-    compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager", outputs=mode), fullgraph=True,
-                             dynamic=dynamic)
-    out = compiled(ids)
-    want = ref if mode == "full" else cp_compile.shard(ref, 1)
-    return _rel(out.detach(), want), tuple(out.shape), layout_mismatches(out, want)
-
-
-@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("mode", ["full", "local"])
-def test_outputs_full_and_local(ranks, mode, dynamic):
-    """Values, shapes and strides: the gathered logits are laid out as the uncompiled model's."""
-    for rank, (err, shape, mismatches) in enumerate(ranks.run(2, _outputs, mode, dynamic)):
-        assert err <= TOL, (rank, err)
-        assert shape == ((2, 64, 256) if mode == "full" else (2, 32, 256))
-        assert not mismatches, (rank, mismatches)
-
-
 def _grad_sync_none():
     torch._dynamo.reset()
     ref_model, inputs = models.llama_factory()
     cp_model, _ = models.llama_factory()
+    explained = explain_record(ref_model, inputs, world_size=dist.get_world_size(), grad_sync="none")
     ref_model(*inputs).backward()
-    torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager", grad_sync="none"), fullgraph=True)(*inputs).backward()
+    backend = cp_compile.RingCP(inner="aot_eager", grad_sync="none")
+    torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs).backward()
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     errs = []
     for (name, p), (_, p_ref) in zip(cp_model.named_parameters(), ref_model.named_parameters()):
         share = _rel(p.grad, p_ref.grad)  # a share only: must differ from the full gradient
@@ -166,7 +152,9 @@ def _train(steps: int):
     torch._dynamo.reset()
     ref_model, inputs = models.llama_factory()
     cp_model, _ = models.llama_factory()
-    compiled = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)
+    explained = explain_record(ref_model, inputs, world_size=dist.get_world_size())
+    backend = cp_compile.RingCP(inner="aot_eager")
+    compiled = torch.compile(cp_model, backend=backend, fullgraph=True)
     opt_ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     opt_cp = torch.optim.AdamW(cp_model.parameters(), lr=1e-2)
     losses = []
@@ -177,6 +165,7 @@ def _train(steps: int):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+    assert backend.records == [explained], (backend.records, explained)  # one graph, the one explain shows
     param_err = max(_rel(p, q) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
     return losses[0::2], losses[1::2], param_err
 
@@ -189,12 +178,19 @@ def test_twenty_adamw_steps_track_single_device(ranks):
 
 
 def test_without_process_group_the_backend_is_a_passthrough():
-    """In the pytest process (no torch.distributed): backend='ring_cp' by name, unchanged numbers."""
+    """In the pytest process (no torch.distributed): backend='ring_cp' by name, unchanged numbers;
+    a RingCP object with the same options neither rewrites nor records a graph (so there is
+    nothing for explain's record to equal)."""
     torch._dynamo.reset()
     model, inputs = models.llama_factory()
     ref = model(*inputs)
     out = torch.compile(model, backend="ring_cp", options={"inner": "aot_eager"})(*inputs)
     assert torch.allclose(out, ref, rtol=1e-6, atol=0)
+    torch._dynamo.reset()
+    backend = cp_compile.RingCP(inner="aot_eager")
+    out = torch.compile(model, backend=backend)(*inputs)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=0)
+    assert backend.records == [] and backend.graphs == [], backend.records
 
 
 def test_bad_options_name_the_choices():
@@ -211,11 +207,17 @@ def _graph_break():
     torch._dynamo.reset()
     ref_model, inputs = models.llama_factory(graph_break_between_layers=True)
     cp_model, _ = models.llama_factory(graph_break_between_layers=True)
+    # explain traces one graph (it refuses graph breaks): that of the first layer, the only graph with attention
+    ids, pos = inputs[0], torch.arange(inputs[0].shape[1])
+    layer_inputs = (ref_model.tok_emb(ids), ref_model.rope_cos[pos], ref_model.rope_sin[pos])  # what a layer takes
+    explained = explain_record(ref_model.layers[0], layer_inputs, world_size=dist.get_world_size())
     ref = ref_model(*inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
     out = torch.compile(cp_model, backend=backend)(*inputs)
     out.backward()
+    assert [r for r in backend.records if r.attention] == [explained], (backend.records, explained)
+    assert all(r.rings == 0 for r in backend.records if not r.attention), backend.records
     return (*_errors(ref_model, ref, cp_model, out), len(backend.graphs), len(backend.no_attention))
 
 
@@ -251,10 +253,13 @@ def _padded_all_labels_valid(seq_len: int):
     ref_model, (ids, _) = models.llama_factory(seq_len=seq_len)
     cp_model, _ = models.llama_factory(seq_len=seq_len)
     labels = torch.roll(ids, -1, dims=1)
+    explained = explain_record(ref_model, (ids, labels), world_size=dist.get_world_size())
     ref = ref_model(ids, labels)
     ref.backward()
-    out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)(ids, labels)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    out = torch.compile(cp_model, backend=backend, fullgraph=True)(ids, labels)
     out.backward()
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     return _errors(ref_model, ref, cp_model, out)
 
 
@@ -263,64 +268,13 @@ def test_padding_rows_never_count_in_the_loss(ranks):
         assert loss_err <= TOL and grad_err <= TOL
 
 
-def _lengths(dynamic):
-    torch._dynamo.reset()
-    ref_model, _ = models.llama_factory()
-    cp_model, _ = models.llama_factory()
-    backend = cp_compile.RingCP(inner="aot_eager")
-    compiled = torch.compile(cp_model, backend=backend, dynamic=dynamic)
-    errs = []
-    for seq_len in (32, 45, 21, 60):
-        _, inputs = models.llama_factory(seq_len=seq_len, seed=seq_len)
-        try:
-            errs.append(_rel(compiled(*inputs).detach(), ref_model(*inputs).detach()))
-        except Exception as e:  # Dynamo wraps backend errors
-            return f"{type(e).__name__}: {e}"
-    return errs, len(backend.graphs)
-
-
-@pytest.mark.parametrize("dynamic", [False, None, True], ids=["static", "automatic", "dynamic"])
-def test_changing_sequence_lengths_stay_exact(ranks, dynamic):
-    """Static: one graph per length. Automatic (the default): Dynamo makes S symbolic at the
-    second length. Dynamic: symbolic from the start. Of the lengths 32, 45, 21, 60, two need
-    padding at N=2 and two do not, so one symbolic graph must serve both kinds."""
-    for res in ranks.run(2, _lengths, dynamic):
-        assert isinstance(res, tuple), res
-        errs, n_graphs = res
-        assert max(errs) <= TOL, errs
-        if dynamic is False:
-            assert n_graphs == 4, n_graphs
-        else:  # a symbolic graph served several lengths, padded and unpadded
-            assert n_graphs <= 2, n_graphs
-
-
-def _compare_dynamic(factory: str, kw: dict):
-    torch._dynamo.reset()
-    ref_model, inputs = getattr(models, factory)(**kw)
-    cp_model, _ = getattr(models, factory)(**kw)
-    ref = ref_model(*inputs)
-    ref.backward()
-    out = torch.compile(cp_model, backend=cp_compile.RingCP(inner="aot_eager"), dynamic=True)(*inputs)
-    out.backward()
-    return _errors(ref_model, ref, cp_model, out)
-
-
-@pytest.mark.parametrize(
-    "factory,kw",
-    [("gpt2_factory", {"seq_len": 37}), ("encoder_factory", {"seq_len": 30}),
-     ("llama_factory", {"seq_len": 50, "shift_labels_inside": True, "gqa_mode": "expand"})],
-)
-def test_dynamic_shapes_on_other_models(ranks, factory, kw):
-    """Symbolic S through absolute positions, non-causal padding masks, a gathered label shift."""
-    for loss_err, grad_err in ranks.run(2, _compare_dynamic, factory, kw):
-        assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
-
-
 def _meta_shapes():
     torch._dynamo.reset()
     model, inputs = models.llama_factory(seq_len=50)
+    explained = explain_record(model, inputs, world_size=dist.get_world_size())
     backend = cp_compile.RingCP(inner="aot_eager")
     torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     (gm,) = backend.graphs
     ring = [n for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
     q = ring[0].args[0]
@@ -351,8 +305,11 @@ def _count_ring_exchanges():
 
     torch._dynamo.reset()
     model, inputs = models.llama_factory()
-    compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)
+    explained = explain_record(model, inputs, world_size=dist.get_world_size())
+    backend = cp_compile.RingCP(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     compiled(*inputs).backward()  # compile outside the count
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     real = comm._ring_exchange
     with mock.patch.object(comm, "_ring_exchange", side_effect=real) as spy:
         compiled(*inputs).backward()
@@ -369,33 +326,6 @@ def test_step_issues_exactly_the_expected_ring_transfers(ranks, world):
         assert tags.count(KV_TAG) == layers * 2 * (world - 1), tags
         assert tags.count(GRAD_TAG) == layers * world, tags
         assert len(tags) == layers * (3 * world - 2)
-
-
-def _local_inputs(dynamic):
-    """Every rank passes only its own shard of the batch (a data loader that calls cp_compile.shard)."""
-    torch._dynamo.reset()
-    ref_model, (ids, labels) = models.llama_factory()
-    cp_model, _ = models.llama_factory()
-    ref = ref_model(ids, labels)
-    ref.backward()
-    backend = cp_compile.RingCP(inner="aot_eager", inputs="local")
-    try:
-        out = torch.compile(cp_model, backend=backend, dynamic=dynamic)(cp_compile.shard(ids, 1), cp_compile.shard(labels, 1))
-    except Exception as e:  # Dynamo wraps backend errors
-        return f"{type(e).__name__}: {e}"
-    out.backward()
-    return _errors(ref_model, ref, cp_model, out)
-
-
-def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
-    for res in ranks.run(2, _local_inputs, True):
-        assert isinstance(res, tuple), res
-        assert res[0] <= TOL and res[1] <= TOL, res
-
-
-def test_local_inputs_with_static_shapes_name_the_fix(ranks):
-    for msg in ranks.run(2, _local_inputs, False):
-        assert isinstance(msg, str) and "dynamic=True" in msg and "inputs='local'" in msg, msg
 
 
 class _DropoutOnPositions(torch.nn.Module):
@@ -416,10 +346,14 @@ def _random_global(training: bool):
     torch.manual_seed(0)  # the same weights on every rank, as CP requires
     model = _DropoutOnPositions().train(training)
     x = torch.randn(2, 2, 32, 16, generator=torch.Generator().manual_seed(0))  # same full batch on every rank
+    # in training mode the rewrite refuses the model (the test checks the error), so nothing to compare
+    explained = None if training else explain_record(model, (x,), world_size=dist.get_world_size())
+    backend = cp_compile.RingCP(inner="aot_eager")
     try:
-        out = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)(x)
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
     except Exception as e:  # Dynamo wraps backend errors
         return f"{type(e).__name__}: {e}"
+    assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     return _rel(out.detach(), model(x).detach())
 
 

@@ -92,18 +92,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def _batch(S: int) -> tuple:
+    """(idx, labels) of length ``S``, the same on every rank."""
+    g = torch.Generator().manual_seed(S)
+    return tuple(torch.randint(0, VOCAB, (2, S), generator=g) for _ in range(2))
+
+
 def _case(style: str, lengths: tuple, dynamic: bool) -> dict:
     """Errors of ring_cp against one process over ``lengths`` (one compile), and the ring ops' args."""
+    import torch.distributed as dist
+
     import cp_compile
+    from checks import explain_record
 
     torch._dynamo.reset()
     ref_model, cp_model = TinyGPT(style), TinyGPT(style)
+    explained = explain_record(ref_model, _batch(lengths[0]), world_size=dist.get_world_size(), dynamic=dynamic)
     backend = cp_compile.RingCP(inner="aot_eager")
     compiled = torch.compile(cp_model, backend=backend, fullgraph=True, dynamic=dynamic or None)
     loss_err = grad_err = 0.0
     for S in lengths:
-        g = torch.Generator().manual_seed(S)
-        idx, labels = (torch.randint(0, VOCAB, (2, S), generator=g) for _ in range(2))
+        idx, labels = _batch(S)
         for m in (ref_model, cp_model):
             m.zero_grad(set_to_none=True)
         ref = ref_model(idx, labels)
@@ -113,6 +122,7 @@ def _case(style: str, lengths: tuple, dynamic: bool) -> dict:
         refs = dict(ref_model.named_parameters())
         grad_err = max([grad_err] + [_rel(p.grad, refs[n].grad) for n, p in cp_model.named_parameters()])
         loss_err = max(loss_err, _rel(loss.detach(), ref.detach()))
+    assert backend.records == [explained], (style, backend.records, explained)  # explain says what the runtime did
     rings = [n for gm in backend.graphs for n in gm.graph.nodes if RING in str(n.target)]
     return {"loss": loss_err, "grad": grad_err, "fallbacks": list(backend.fallbacks), "graphs": len(backend.graphs),
             "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}

@@ -110,8 +110,12 @@ def _compiled_with_fault(timeout: float, linger: float):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
     import models
 
+    from checks import explain_record
+
     register_kernel(FaultKernel(1, 1, "raise"), replace=True)
     model, inputs = models.llama_factory(seq_len=32)
+    # explain runs the traced graph as it is (SDPA), never the kernel: the fault's call count is untouched
+    explained = explain_record(model, inputs, world_size=dist.get_world_size(), kernel=FAULT_KERNEL)
     backend = cp_compile.RingCP(inner="aot_eager", kernel=FAULT_KERNEL, timeout=timeout)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     dist.barrier()
@@ -119,6 +123,8 @@ def _compiled_with_fault(timeout: float, linger: float):
         compiled(*inputs).backward()
     except Exception as e:  # noqa: BLE001 - reported to the parent
         result = (type(e).__name__, str(e))
+        # the graph was compiled (and recorded) before its first ring op ran into the fault
+        assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
         if dist.get_rank() == 1:
             _STOP.wait(linger)
         return result
