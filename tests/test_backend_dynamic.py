@@ -19,18 +19,11 @@ import torch.distributed as dist
 import cp_compile
 import models
 from checks import explain_record, layout_mismatches
+from test_backend import _errors, _rel  # the same error measures as the static-shape tests
 
 TOL = 1e-5
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _errors(ref_model, ref, cp_model, out) -> tuple:
-    """(loss rel err, max parameter-gradient rel err) of the CP run against the reference."""
-    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return _rel(out.detach(), ref.detach()), grad_err
 
 
 def _outputs(mode: str, dynamic):
