@@ -139,3 +139,17 @@ def mutates(node: fx.Node) -> bool:
     name = getattr(node.target, "__name__", "")
     in_place = name.endswith("_") and not name.endswith("__") and node.target not in (operator.and_, operator.or_)
     return in_place or node.is_impure()
+
+
+def erase_unused(graph: fx.Graph, nodes: Any) -> None:
+    """Erase each of ``nodes`` once nothing reads it, then its inputs alike: only pure ops
+    (:func:`mutates` is False) go, so nothing with an effect is dropped."""
+    todo, erased = [n for n in nodes if isinstance(n, fx.Node)], set()
+    while todo:
+        node = todo.pop()
+        if node in erased or node.users or node.op not in ("call_function", "call_method") or mutates(node):
+            continue
+        erased.add(node)
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        todo.extend(inputs)

@@ -51,7 +51,7 @@ Dynamo cannot trace ``torch._nested_tensor_from_mask`` and runs the layers eager
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .context import CPRewriteError, RewriteContext, fake_value, source_line
+from .emitter import erase_unused
 from .expand_mha import weights_used
 from .fake_emit import FakeEmitter, finish_expansion
 
@@ -87,7 +88,7 @@ def expand_fastpath(gm: fx.GraphModule, ctx: RewriteContext) -> int:
             _expand_layer(gm.graph, node, a)
         else:
             _expand_mha(gm.graph, node, a)
-        _erase_unused(gm.graph, [mask])
+        erase_unused(gm.graph, [mask])
         count += 1
     return finish_expansion(gm, count, "eval-mode fast-path attention op(s)")
 
@@ -249,21 +250,3 @@ def _expand_mha(graph: fx.Graph, node: fx.Node, a: Dict[str, Any]) -> None:
             user.replace_all_uses_with(out)
         graph.erase_node(user)
     graph.erase_node(node)
-
-
-def _erase_unused(graph: fx.Graph, nodes: Iterable[Any]) -> None:
-    """Erase the given nodes once nothing reads them, and then their inputs alike (not in-place ops)."""
-    todo, erased = [n for n in nodes if isinstance(n, fx.Node)], set()
-    while todo:
-        node = todo.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method") or _in_place(node):
-            continue
-        erased.add(node)
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        todo.extend(inputs)
-
-
-def _in_place(node: fx.Node) -> bool:
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")

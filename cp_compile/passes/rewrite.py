@@ -29,7 +29,7 @@ from torch._prims_common import compute_elementwise_output_logical_to_physical_p
 
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
-from .emitter import Emitter, mutates
+from .emitter import Emitter, erase_unused
 from .find_attention import is_sdpa
 from .layouts import GLOBAL, Global, Sharded
 from .row_select import select_rows
@@ -192,18 +192,7 @@ def _drop_unused_masks(em: Emitter) -> None:
     """
     from .find_attention import sdpa_arg
 
-    todo, erased = list({em.env.get(sdpa_arg(n, 3, "attn_mask")) for n in em.ctx.masks}), set()
-    while todo:
-        node = todo.pop()
-        if not isinstance(node, fx.Node) or node in erased or node.users or node.op not in ("call_function",
-                                                                                                "call_method"):
-            continue
-        if mutates(node):
-            continue
-        inputs = node.all_input_nodes
-        em.graph.erase_node(node)
-        erased.add(node)
-        todo.extend(inputs)
+    erase_unused(em.graph, {em.env.get(sdpa_arg(n, 3, "attn_mask")) for n in em.ctx.masks})
 
 
 def _check_every_attention_is_the_ring(em: Emitter) -> None:
