@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .context import global_shape
+from .emitter import mutates
 from .oracle import rows_from_inputs
 
 _CATS = {torch.cat, torch.concat, torch.concatenate}
@@ -118,10 +119,8 @@ def _cat_pieces(node: fx.Node, dim: int) -> Optional[List[fx.Node]]:
 
 def _erase_dead(em: Any, todo: List[fx.Node]) -> None:
     """Erase the whole copies of the nodes the selection moved above, now without users."""
-    from .emitter import mutates as _mutates
-
     order = {n: i for i, n in enumerate(em.graph.nodes)}
     for node in sorted(set(todo), key=lambda n: -order[n]):  # users before their inputs
-        if not node.users and node.op in ("call_function", "call_method") and not _mutates(node):
+        if not node.users and node.op in ("call_function", "call_method") and not mutates(node):
             em.graph.erase_node(node)
 
