@@ -4,7 +4,9 @@ Public API (this module): the ``ring_cp`` torch.compile backend (:class:`RingCP`
 ``backend="ring_cp"``, options :class:`BackendOptions`), the training-step decorator
 :func:`context_parallel`, :func:`ring_attention` (exact attention over a sequence split
 across a context-parallel group, options :class:`RingOptions`), and :func:`shard` /
-:func:`unshard` / :func:`positions` (the load-balanced sequence layouts).
+:func:`unshard` / :func:`positions` (the load-balanced sequence layouts), and
+:func:`doc_ids_from_cu_seqlens` / :func:`doc_ids_from_position_ids` (document ids of
+packed sequences, for ``ring_attention(doc_ids=...)``).
 
 The package, one screen (docs/design.md explains each part)::
 
@@ -26,9 +28,10 @@ The package, one screen (docs/design.md explains each part)::
 from .backend.compiler import BackendOptions, RingCP
 from .options import RingOptions
 from .sequence import positions, shard, unshard
-from .ring import ring_attention
+from .ring import doc_ids_from_cu_seqlens, doc_ids_from_position_ids, ring_attention
 from .step import context_parallel
 
 __version__ = "0.1.0"
 
-__all__ = ["BackendOptions", "RingCP", "RingOptions", "context_parallel", "positions", "ring_attention", "shard", "unshard", "__version__"]
+__all__ = ["BackendOptions", "RingCP", "RingOptions", "context_parallel", "doc_ids_from_cu_seqlens",
+           "doc_ids_from_position_ids", "positions", "ring_attention", "shard", "unshard", "__version__"]

@@ -20,7 +20,10 @@ parts), so its contract is small:
   to the gradients. dq: (B, H, Lq, D); dk, dv: (B, H_kv, Lk, D), any float dtype.
 
 Implementations: ``aten`` (:mod:`.aten`), ``reference`` (:mod:`.reference`),
-``triton`` (:mod:`.triton`).
+``triton`` (:mod:`.triton`). Packed documents (``doc_ids``) need nothing more of a
+block kernel: the ring splits each rectangle into equal-document calls, full or causal.
+Rectangles with a ``score_mod`` run on :class:`.scores.ScoresKernel` (explicit scores,
+not registered) whatever kernel is chosen; a ``mask_mod`` reaches the kernel as ``mask=``.
 
 A kernel may also fuse the ring's merge: a :class:`StepKernel` (``fuses_merge =
 True``) keeps the running softmax state in fp32 across ring steps and masks by
@@ -31,7 +34,11 @@ per step on the whole visiting block (see :mod:`cp_compile.ring.fused`):
   scale=, kv_limit=)`` folds the block into ``state`` in place; ``finalize(state,
   dtype) -> (out, lse)``. Key j is visible to query i iff ``k_pos[j] < kv_limit``
   and, when causal, ``k_pos[j] <= q_pos[i]``, and, with ``window=`` W > 0,
-  ``q_pos[i] - k_pos[j] < W`` (positions int32, any order).
+  ``q_pos[i] - k_pos[j] < W`` (positions int32, any order). A kernel with
+  ``supports_doc_ids = True`` also takes ``q_doc=`` (B|1, S_q) and ``k_doc=`` (B|1, S_k)
+  int32 document ids, both or neither: key j is then visible only if also
+  ``q_doc[b, i] == k_doc[b, j]``. The ring refuses ``mask_mod`` / ``score_mod`` on step
+  kernels.
 * ``delta(dout, out) -> rowsum(dout * out)`` (fp32, once per backward);
   ``backward_step(dout, q, k, v, lse, delta, (dq, dk, dv), q_pos, k_pos, causal=,
   scale=, kv_limit=)`` adds the block's contributions into fp32 accumulators.
@@ -98,7 +105,8 @@ class StepKernel(BlockKernel, Protocol):
         ...
 
     def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: Tuple[Tensor, ...], q_pos: Tensor,
-                     k_pos: Tensor, *, causal: bool, scale: float, kv_limit: int, window: int = -1) -> None:
+                     k_pos: Tensor, *, causal: bool, scale: float, kv_limit: int, window: int = -1,
+                     q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> None:
         """Fold ``q`` attending to ``k``/``v`` (masked by position) into ``state`` in place;
         ``window`` W > 0: query i also sees only keys with ``q_pos[i] - k_pos[j] < W``."""
         ...
@@ -113,7 +121,8 @@ class StepKernel(BlockKernel, Protocol):
 
     def backward_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                       grads: Tuple[Tensor, Tensor, Tensor], q_pos: Tensor, k_pos: Tensor, *,
-                      causal: bool, scale: float, kv_limit: int, window: int = -1) -> None:
+                      causal: bool, scale: float, kv_limit: int, window: int = -1,
+                      q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> None:
         """Add this block's (dq, dk, dv) into the fp32 accumulators ``grads`` in place (mask as in
         :meth:`forward_step`)."""
         ...

@@ -3,7 +3,8 @@
 Ranks that pass different shapes or options to the ring would post transfers of
 different sizes or in different patterns: at best a transport error, at worst a hang
 or silently wrong numbers. So every call runs one small all-gather of its metadata
-(shapes, dtype, causal, scale, layout, rotation, kernel, padding, window, mask):
+(shapes, dtype, causal, scale, layout, rotation, kernel, padding, window, mask,
+document ids' shape and dtype, the mods' key, the mod buffers' shapes):
 every rank then sees every rank's arguments, and if they differ *every* rank raises
 the same ``ValueError`` listing them, before any K/V moves.
 
@@ -11,7 +12,7 @@ Why every call and not only the first with new arguments: whether to skip must b
 the same decision on every rank, and a rank cannot know without asking whether its
 peers' arguments are new. (A per-process "already verified" cache let a rank repeat
 old arguments and skip the check while a peer with new ones waited in it: a hang,
-seen in the test suite.) The cost is one all-gather of ~30 int64 per ring call,
+seen in the test suite.) The cost is one all-gather of ~40 int64 per ring call,
 next to N K/V transfers.
 
 :func:`check_device` refuses inputs on a device the group's backend cannot move.
@@ -37,8 +38,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FIELDS: Tuple[Tuple[str, int], ...] = (
     ("q shape", 4), ("k shape", 4), ("v shape", 4), ("dtype", 1), ("causal", 1), ("scale", 1),
     ("load_balance", 1), ("rotate", 1), ("kernel", 1), ("padding (valid length)", 1),
-    ("sliding window", 1), ("attn_mask given", 1),
+    ("sliding window", 1), ("attn_mask given", 1), ("doc_ids shape", 2), ("doc_ids dtype", 1), ("mods key", 1),
+    ("mask_buffers shapes", 1), ("score_buffers shapes", 1),
 )
+_NO_TENSOR = -1  # a shape slot when the tensor is not given
 
 
 def check_device(group: CPGroup, device: torch.device) -> None:
@@ -66,22 +69,34 @@ def _scale_bits(scale: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
 
 
+def _buffers_code(buffers: Optional[Sequence[Tensor]]) -> int:
+    """One int for the count, shapes and dtypes of a list of buffers (-1: none given)."""
+    if buffers is None:
+        return _NO_TENSOR
+    return _code(";".join(f"{tuple(t.shape)}{t.dtype}" for t in buffers))
+
+
 def metadata(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, load_balance: str,
              rotate: str, kernel: str, valid_len: int, window: int = -1,
-             attn_mask: Optional[Tensor] = None) -> Tuple[int, ...]:
+             attn_mask: Optional[Tensor] = None, *, doc_ids: Optional[Tensor] = None, mods: str = "",
+             mask_buffers: Optional[Sequence[Tensor]] = None,
+             score_buffers: Optional[Sequence[Tensor]] = None) -> Tuple[int, ...]:
     """This call's arguments as a row of ints (see ``_FIELDS``)."""
     dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 100 + _code(str(q.dtype)) % 1000
+    docs = (_NO_TENSOR, _NO_TENSOR, _NO_TENSOR) if doc_ids is None else (
+        *(tuple(doc_ids.shape) + (_NO_TENSOR,) * 2)[:2], _code(str(doc_ids.dtype)))
     return (
         *q.shape, *k.shape, *v.shape, dtype, int(bool(causal)), _scale_bits(scale),
         LOAD_BALANCES.index(load_balance), ROTATES.index(rotate), _code(kernel), int(valid_len),
-        int(window), int(attn_mask is not None),
+        int(window), int(attn_mask is not None), *docs, _code(mods) if mods else _NO_TENSOR,
+        _buffers_code(mask_buffers), _buffers_code(score_buffers),
     )
 
 
 def _decode(name: str, vals: Sequence[int], own_kernel: str, own_code: int) -> Any:
     """A readable value of one field (for the error message)."""
     if name.endswith("shape"):
-        return tuple(vals)
+        return "none" if vals[0] == _NO_TENSOR else tuple(vals)
     (x,) = vals
     if name == "dtype":
         return _DTYPES[x] if x < len(_DTYPES) else "another dtype"
@@ -95,6 +110,8 @@ def _decode(name: str, vals: Sequence[int], own_kernel: str, own_code: int) -> A
         return ROTATES[x]
     if name == "kernel":
         return repr(own_kernel) if x == own_code else "another kernel"
+    if name == "doc_ids dtype" or name == "mods key" or name.endswith("buffers shapes"):
+        return "none" if x == _NO_TENSOR else f"#{x:08x}"  # a code: equal codes, equal values
     return x
 
 
@@ -125,6 +142,6 @@ def check_same_call(meta: Tuple[int, ...], group: CPGroup, device: torch.device,
             "cp_compile.ring_attention: the ranks of the CP group called the ring op with different "
             f"arguments: {'; '.join(diffs)}. Fix: every rank must pass its own shard of the same global "
             "sequence (same batch, heads, head dim, length and dtype) and the same options (causal, scale, "
-            "load_balance, rotate, kernel); with the ring_cp backend or @context_parallel every rank passes "
+            "load_balance, rotate, kernel, window, masks, doc_ids, mods); with the ring_cp backend or @context_parallel every rank passes "
             "the same full batch."
         )

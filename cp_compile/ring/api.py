@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from ..kernels import get_kernel
 from ..sequence import check_seq_len
 from .agree import check_device
 from .masking import additive_mask
+from .mods import register_mods
 
 Tensor = torch.Tensor
 
@@ -104,6 +105,60 @@ def _local_mask(mask: Tensor, q: Tensor, n: int, causal: bool, kernel: str) -> T
     return additive_mask(m)
 
 
+def _check_doc_ids(doc_ids: Tensor, q: Tensor, n: int) -> Tensor:
+    """``doc_ids`` as (B|1, S) with errors that name the fix."""
+    b, s = q.shape[0], q.shape[2] * n
+    if not isinstance(doc_ids, torch.Tensor) or doc_ids.dtype not in (torch.int32, torch.int64):
+        what = doc_ids.dtype if isinstance(doc_ids, torch.Tensor) else type(doc_ids).__name__
+        _fail(f"doc_ids must be an int32 or int64 tensor, got {what}. Fix: pass integer document ids, e.g. "
+              "cp_compile.doc_ids_from_cu_seqlens(cu_seqlens, S) or cp_compile.doc_ids_from_position_ids(position_ids).")
+    ids = doc_ids.unsqueeze(0) if doc_ids.dim() == 1 else doc_ids
+    if ids.dim() != 2 or ids.shape[0] not in (1, b) or ids.shape[1] != s:
+        _fail(
+            f"doc_ids has shape {tuple(doc_ids.shape)}; expected (B={b} or 1, S={s}): one id per position of the "
+            "WHOLE sequence in global order, the same tensor on every rank. Fix: pass the full, unsharded "
+            "doc_ids (not cp_compile.shard(...) of it)."
+        )
+    if ids.device != q.device:
+        _fail(f"doc_ids is on {ids.device}, q on {q.device}. Fix: move doc_ids to q's device.")
+    return ids
+
+
+def _check_buffers(name: str, buffers: Optional[Sequence[Tensor]], mod: Optional[Callable], q: Tensor) -> List[Tensor]:
+    """The mods' buffers as a list of constant tensors on q's device, or an error naming the fix."""
+    if buffers is None:
+        return []
+    if mod is None:
+        _fail(f"{name} given without the mod that reads it. Fix: pass {name.split('_')[0]}_mod=..., or drop {name}.")
+    if isinstance(buffers, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t in buffers):
+        _fail(f"{name} must be a list of tensors. Fix: pass {name}=[t1, t2, ...] in the order the mod reads them.")
+    for t in buffers:
+        if t.requires_grad:
+            _fail(f"a {name} tensor requires grad; the ring treats the mods' buffers as constants (learned biases "
+                  f"are not supported by the ring yet). Fix: pass it .detach(), or keep that attention out of the ring.")
+        if t.device != q.device:
+            _fail(f"a {name} tensor is on {t.device}, q on {q.device}. Fix: move it to q's device.")
+    return list(buffers)
+
+
+def _check_mods(mask_mod: Optional[Callable], score_mod: Optional[Callable], mask_buffers: Any, score_buffers: Any,
+                q: Tensor, kern: Any) -> Tuple[str, List[Tensor], List[Tensor]]:
+    """(mods key, mask buffers, score buffers) for the ring op."""
+    mb = _check_buffers("mask_buffers", mask_buffers, mask_mod, q)
+    sb = _check_buffers("score_buffers", score_buffers, score_mod, q)
+    if (mask_mod is not None or score_mod is not None) and getattr(kern, "fuses_merge", False):
+        _fail(f"kernel {kern.name!r} takes no mask_mod / score_mod (it masks by position and document id only). "
+              "Fix: use kernel='aten' on CPU or kernel='reference', or pass packed documents as doc_ids=.")
+    if mask_mod is not None and not getattr(kern, "supports_masks", False):
+        _fail(f"kernel {kern.name!r} takes no masks, which mask_mod= needs. Fix: kernel='aten' or 'reference'.")
+    return _register_mods(mask_mod, score_mod), mb, sb
+
+
+# Traced by torch.compile, the key is computed once at trace time and baked in as a constant (it depends
+# only on the functions, which Dynamo guards on), instead of a graph break on hashlib.
+_register_mods = torch.compiler.assume_constant_result(register_mods)
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -118,6 +173,11 @@ def ring_attention(
     timeout: Optional[float] = None,
     window: Optional[int] = None,
     attn_mask: Optional[Tensor] = None,
+    doc_ids: Optional[Tensor] = None,
+    mask_mod: Optional[Callable[..., Tensor]] = None,
+    score_mod: Optional[Callable[..., Tensor]] = None,
+    mask_buffers: Optional[Sequence[Tensor]] = None,
+    score_buffers: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
     """Exact attention over a sequence split across the ranks of a CP group.
 
@@ -142,6 +202,14 @@ def ring_attention(
             ``cp_compile.shard(full_mask, dim=-2)``; a key-padding mask
             (B, 1, 1, S) is broadcast over the rows. O(S_local x S) memory per rank:
             prefer ``causal``/``window`` when the mask is one of those.
+        doc_ids: packed documents, (B or 1, S) int32/int64 ids of the WHOLE sequence in
+            global order (the same tensor on every rank; ``cp_compile.doc_ids_from_*``): keys
+            are visible only within the query's document. No mask is built, and pairs across
+            documents are never computed.
+        mask_mod, score_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx, *mask_buffers)``
+            (True = attend) and ``score_mod(score, b, h, q_idx, kv_idx, *score_buffers)`` over
+            GLOBAL positions (docs/kernels.md, "Documents and mods"); ``mask_buffers`` /
+            ``score_buffers``: the tensors they read, whole, constants (no grad).
         timeout: seconds each wait for a peer may take before the op raises
             ``cp_compile.ring.faults.RingCommError`` naming the peer, ring step and
             direction; None (default): the process group's own timeout.
@@ -149,7 +217,7 @@ def ring_attention(
     Returns:
         (B, H, S_local, D): this rank's rows of softmax(q kᵀ · scale + mask) v over the
         full sequence. Differentiable (the backward is the ring too). With a CP group
-        of size 1 this is ``F.scaled_dot_product_attention``.
+        of size 1 and no window, mask, doc_ids or mods this is ``F.scaled_dot_product_attention``.
     """
     _check_tensors(q, k, v)
     window = _check_window(window, causal)  # -1: none
@@ -161,13 +229,16 @@ def ring_attention(
     kern = get_kernel(opts.kernel, q.device, q.dtype)  # unknown or unsupported kernel: fail here, on every rank
     mask = None if attn_mask is None else _local_mask(attn_mask, q, g.size, causal, opts.kernel)
     _check_kernel_masks(kern, window, mask)
+    docs = None if doc_ids is None else _check_doc_ids(doc_ids, q, g.size)
+    mods, mb, sb = _check_mods(mask_mod, score_mod, mask_buffers, score_buffers, q, kern)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if g.size == 1 and window < 0 and mask is None:
+    if g.size == 1 and window < 0 and mask is None and docs is None and not mods:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
     out, _ = torch.ops.cp_compile.ring_attention_fwd(
         q, k, v, bool(causal), scale, g.name, opts.load_balance, opts.rotate, opts.kernel,
-        timeout=opts.timeout or -1.0, window=window, attn_mask=mask,
+        timeout=opts.timeout or -1.0, window=window, attn_mask=mask, doc_ids=docs, mods=mods,
+        mask_buffers=mb or None, score_buffers=sb or None,
     )
     return out

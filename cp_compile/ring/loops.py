@@ -1,7 +1,9 @@
 """The ring loops: forward and backward of exact attention over CP shards.
 
 Both iterate the K/V blocks in ring order (:func:`.comm.kv_blocks`), compute the
-rectangles the plan lists for each step (:mod:`.plan`) with the block kernel, and
+calls :func:`.calls.step_calls` lists for each step (the plan's rectangles, refined by
+windows, masks, documents and mods) with the block kernel (or, for a ``score_mod``,
+:class:`cp_compile.kernels.scores.ScoresKernel`), and
 keep everything numerically important in fp32: the forward merges each rectangle's
 (out, lse) into fp32 accumulators; the backward uses the *global* out and lse,
 accumulates dQ locally and hands each block's dK/dV to a :class:`.comm.GradSink`.
@@ -11,43 +13,82 @@ of :mod:`.fused` instead.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from ..group import CPGroup
 from ..kernels import BlockKernel
+from ..kernels.scores import SCORES
+from .calls import Call, step_calls
 from .comm import GradSink, kv_blocks
+from .docs import DocIndex
 from .fused import ring_backward_fused, ring_forward_fused
-from .masking import BlockPositions, MaskSpec, fix_dead_rows, segment_call
+from .masking import BlockPositions, MaskSpec, fix_dead_rows
 from .merge import accumulator_dtype, empty_partial, merge_
-from .plan import ALL, Segment, step_segments
+from .plan import ALL
 
 Tensor = torch.Tensor
 
 
-def _accumulate(acc: Optional[Tensor], rows: slice, part: Tensor, like: Tensor, dtype: torch.dtype) -> Tensor:
-    """acc[rows] += part, creating acc (shaped like ``like``) on first use without a zero fill if possible."""
+def _accumulate(acc: Optional[Tensor], call: Call, part: Tensor, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """acc[b, :, k rows] += part, creating acc (shaped like ``like``) on first use without a zero fill if possible."""
     if acc is None:
-        if rows == ALL:
+        if call.k == ALL and call.b == ALL:
             return part.to(dtype).contiguous()  # the first full contribution *is* the accumulator
         acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
-    acc[:, :, rows] += part
+    acc[call.b, :, call.k] += part
     return acc
 
 
-def _calls(spec: MaskSpec, load_balance: str, causal: bool, group: CPGroup, src: int, c: int, valid_len: int,
-           pos: BlockPositions) -> Iterator[Tuple[Segment, bool, Optional[Tensor]]]:
-    """(rectangle, causal, additive mask or None) of every kernel call against block ``src``.
+def _doc_index(spec: MaskSpec, seq_len: int, valid_len: int, batch: int) -> Optional[DocIndex]:
+    """The call's document ids (None without), checked against the batch and global length."""
+    if spec.doc_ids is None:
+        return None
+    ids = spec.doc_ids
+    n, rows = ids.shape[-1], ids.shape[0] if ids.dim() == 2 else 1
+    if ids.dim() not in (1, 2) or rows not in (1, batch) or ids.dtype not in (torch.int32, torch.int64) or not (
+            n == seq_len or 0 <= valid_len <= n < seq_len):
+        raise ValueError(
+            f"cp_compile: doc_ids has shape {tuple(ids.shape)} and dtype {ids.dtype}; the ring takes int32/int64 ids "
+            f"of every global position, (B={batch} or 1, S={seq_len}). Fix: pass the whole sequence's document ids (not this "
+            "rank's shard), e.g. cp_compile.doc_ids_from_cu_seqlens(cu_seqlens, S)."
+        )
+    return DocIndex(ids, seq_len)
 
-    The plan's rectangles (``valid_len`` >= 0: global positions from there on are
-    padding, never attended), refined by a window or explicit mask (:mod:`.masking`).
-    """
-    valid = pos.valid_keys(src, valid_len)
-    for seg in step_segments(load_balance, causal, group.size, group.rank, src, c, valid):
-        call = segment_call(spec, seg, pos(group.rank), pos(src)) if spec.active else (seg.causal, None)
-        if call is not None:
-            yield (seg, *call)
+
+def _forward_call(kernel: BlockKernel, call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float):
+    """(out, lse) of one call; rows that see nothing in it get (0, -inf)."""
+    qc, kc, vc = q[call.b, :, call.q], k[call.b, :, call.k], v[call.b, :, call.k]
+    if call.score is not None:
+        out, lse = SCORES.forward(qc, kc, vc, causal=call.causal, scale=scale, score=call.score, mask=call.mask)
+    else:
+        out, lse = kernel.forward(qc, kc, vc, causal=call.causal, scale=scale, **_mask_kw(call.mask))
+    return (out, lse) if call.mask is None else fix_dead_rows(out, lse, call.mask)
+
+
+def _backward_call(kernel: BlockKernel, call: Call, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, scale: float):
+    """(dq, dk, dv) of one call, given the global out and lse."""
+    rows = (call.b, slice(None), call.q)
+    args = (dout[rows], q[rows], k[call.b, :, call.k], v[call.b, :, call.k], out[rows], lse[call.b, :, call.q])
+    if call.score is not None:
+        return SCORES.backward(*args, causal=call.causal, scale=scale, score=call.score, mask=call.mask)
+    return kernel.backward(*args, causal=call.causal, scale=scale, **_mask_kw(call.mask))
+
+
+class _LocalSink:
+    """dK/dV without a process group (one process: the only block is this rank's own)."""
+
+    def __init__(self, like: Tensor, dtype: torch.dtype) -> None:
+        self.dk = self.dv = torch.zeros(like.shape, dtype=dtype, device=like.device)
+
+    def add(self, step: int, src: int, dk: Optional[Tensor], dv: Optional[Tensor]) -> None:
+        if dk is not None:
+            self.dk, self.dv = dk, dv
+
+    def finish(self) -> Tuple[Tensor, Tensor]:
+        return self.dk, self.dv
 
 
 def _mask_kw(mask: Optional[Tensor]) -> dict:
@@ -77,22 +118,19 @@ def ring_forward(
         return ring_forward_fused(q, k, v, causal=causal, scale=scale, group=group, load_balance=load_balance,
                                   rotate=rotate, kernel=kernel, valid_len=valid_len, spec=spec)
     c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
-    pos = BlockPositions(c, group, load_balance, q.device)
+    pos, docs = BlockPositions(c, group, load_balance, q.device), _doc_index(spec, c * group.size, valid_len, q.shape[0])
     acc_out: Optional[Tensor] = None  # (B, H, c, D) acc_dt
     acc_lse: Optional[Tensor] = None  # (B, H, c) acc_dt
     for _, src, k_src, v_src in kv_blocks(k, v, group, rotate):
-        for seg, seg_causal, mask in _calls(spec, load_balance, causal, group, src, c, valid_len, pos):
-            out, lse = kernel.forward(q[:, :, seg.q], k_src[:, :, seg.k], v_src[:, :, seg.k], causal=seg_causal,
-                                      scale=scale, **_mask_kw(mask))
-            if mask is not None:
-                out, lse = fix_dead_rows(out, lse, mask)
-            if acc_out is None and seg.q == ALL:  # the first full-row result is the accumulator
+        for call in step_calls(spec, docs, load_balance, causal, group, src, c, valid_len, pos, q.shape[:2]):
+            out, lse = _forward_call(kernel, call, q, k_src, v_src, scale)
+            if acc_out is None and call.q == ALL and call.b == ALL:  # the first full-row result is the accumulator
                 acc_out, acc_lse = out.to(acc_dt).contiguous(), lse.to(acc_dt).contiguous()
                 continue
             if acc_out is None:
                 acc_out, acc_lse = empty_partial(q)
-            merge_(acc_out[:, :, seg.q], acc_lse[:, :, seg.q], out, lse)
-    if acc_out is None:  # an explicit mask hid every key from every row
+            merge_(acc_out[call.b, :, call.q], acc_lse[call.b, :, call.q], out, lse)
+    if acc_out is None:  # the masks hid every key from every row
         acc_out, acc_lse = empty_partial(q)
     return acc_out.to(q.dtype), acc_lse
 
@@ -123,22 +161,19 @@ def ring_backward(
                                    load_balance=load_balance, rotate=rotate, kernel=kernel, valid_len=valid_len,
                                    spec=spec)
     c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
-    pos = BlockPositions(c, group, load_balance, q.device)
-    if spec.attn_mask is not None:  # rows that see no key at all: any finite lse gives P = 0 (and no NaN)
+    pos, docs = BlockPositions(c, group, load_balance, q.device), _doc_index(spec, c * group.size, valid_len, q.shape[0])
+    if spec.active:  # rows that see no key at all: any finite lse gives P = 0 (and no NaN)
         lse = lse.masked_fill(torch.isneginf(lse), 0.0)
     dq = torch.zeros(q.shape, dtype=acc_dt, device=q.device)  # (B, H, c, D), stays local
-    sink = GradSink(k, acc_dt, group, rotate)
+    sink = GradSink(k, acc_dt, group, rotate) if group.pg is not None else _LocalSink(k, acc_dt)
     for step, src, k_src, v_src in kv_blocks(k, v, group, rotate):
         dk_src: Optional[Tensor] = None  # this rank's share of block src's dK (B, H_kv, c, D)
         dv_src: Optional[Tensor] = None
-        for seg, seg_causal, mask in _calls(spec, load_balance, causal, group, src, c, valid_len, pos):
-            dq_s, dk_s, dv_s = kernel.backward(
-                dout[:, :, seg.q], q[:, :, seg.q], k_src[:, :, seg.k], v_src[:, :, seg.k],
-                out[:, :, seg.q], lse[:, :, seg.q], causal=seg_causal, scale=scale, **_mask_kw(mask),
-            )
-            dq[:, :, seg.q] += dq_s
-            dk_src = _accumulate(dk_src, seg.k, dk_s, k, acc_dt)
-            dv_src = _accumulate(dv_src, seg.k, dv_s, v, acc_dt)
+        for call in step_calls(spec, docs, load_balance, causal, group, src, c, valid_len, pos, q.shape[:2]):
+            dq_s, dk_s, dv_s = _backward_call(kernel, call, dout, q, k_src, v_src, out, lse, scale)
+            dq[call.b, :, call.q] += dq_s
+            dk_src = _accumulate(dk_src, call, dk_s, k, acc_dt)
+            dv_src = _accumulate(dv_src, call, dv_s, v, acc_dt)
         sink.add(step, src, dk_src, dv_src)
     dk, dv = sink.finish()  # every rank's contribution to this rank's K/V
     dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

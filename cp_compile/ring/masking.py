@@ -1,6 +1,6 @@
-"""Masks beyond plain causal for the ring: a sliding window and an explicit ``attn_mask``.
+"""Masks beyond plain causal for the ring: a sliding window, an explicit ``attn_mask``, documents, mods.
 
-Both are decided per plan rectangle (:class:`.plan.Segment`) from *global positions*,
+All are decided per plan rectangle (:class:`.plan.Segment`) from *global positions*,
 so no S x S tensor is ever built for a window, and an explicit mask is only ever
 read as this rank's rows x one visiting block's columns.
 
@@ -18,6 +18,11 @@ read as this rank's rows x one visiting block's columns.
   mask: then ``attn_mask`` holds only the padding part, (B, 1, 1, S), and causality
   keeps its tile skipping and load balance.
 
+Documents (``doc_ids``) and FlexAttention-style mods (``mask_mod`` / ``score_mod``) are
+further rules of :class:`MaskSpec`: documents alone split rectangles without any mask
+(:mod:`.docs`, :mod:`.calls`); mods, or documents with a window / explicit mask, get one
+boolean mask per rectangle (:func:`rule_mask`).
+
 Block kernels see an additive float mask (0 or -inf); a row with no visible key in
 a rectangle gets lse = -inf and out = 0 there (the CPU flash op would say lse = 0),
 so the merge ignores it.
@@ -32,6 +37,8 @@ import torch
 
 from ..group import CPGroup
 from ..sequence import rank_positions
+from .docs import DocIndex
+from .mods import Mods
 from .plan import Segment
 
 Tensor = torch.Tensor
@@ -64,14 +71,28 @@ class BlockPositions:
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """``window`` (> 0, causal only) or ``attn_mask`` (local rows, additive fp32), or neither."""
+    """Every rule of one ring call besides the plan's causality and padding.
+
+    ``window`` (> 0, causal only); ``attn_mask`` (local rows, additive fp32); ``doc_ids``
+    (B|1, S) integer document ids over the whole sequence in global order
+    (:mod:`.docs`); ``mods``: FlexAttention-style mask_mod / score_mod at global
+    positions, with their buffers (:mod:`.mods`). All of them AND together.
+    """
 
     window: int = -1
     attn_mask: Optional[Tensor] = None  # (B|1, H|1, c|1, S) float32, -inf where masked
+    doc_ids: Optional[Tensor] = None  # (B|1, S) int32/int64, global position order
+    mods: Optional[Mods] = None
 
     @property
     def active(self) -> bool:
-        return self.window > 0 or self.attn_mask is not None
+        return self.window > 0 or self.attn_mask is not None or self.doc_ids is not None or self.mods is not None
+
+    @property
+    def per_rectangle_mask(self) -> bool:
+        """Whether rectangles need the general boolean mask (:func:`rule_mask`): mods, or
+        document ids together with a window or an explicit mask."""
+        return self.mods is not None or (self.doc_ids is not None and (self.window > 0 or self.attn_mask is not None))
 
 
 def additive_mask(mask: Tensor) -> Tensor:
@@ -120,6 +141,46 @@ def segment_call(spec: MaskSpec, seg: Segment, q_pos: Tensor, k_pos: Tensor) -> 
     if bool(torch.isneginf(cols).all()):
         return None
     return causal, cols
+
+
+def mod_positions(pos: BlockPositions, rank: int, rows: slice, valid_len: int) -> Tensor:
+    """Global positions of ``rank``'s ``rows`` as the mods see them: padding positions (>= ``valid_len``)
+    read as the last real one, so mods indexing buffers of the unpadded length stay in bounds (no real
+    query sees a padding key: causality or the plan's cut hides them)."""
+    p = pos(rank)[rows]
+    return p if valid_len < 0 else p.clamp(max=max(valid_len - 1, 0))
+
+
+def rule_mask(spec: MaskSpec, docs: Optional[DocIndex], seg: Segment, pos: BlockPositions, rank: int, src: int,
+              dims: Tuple[int, int], valid_len: int = -1) -> Optional[Tensor]:
+    """One additive mask (B|1, H|1, Lq, Lk) of ``seg`` under every rule of ``spec``, or None when
+    nothing in it is visible (the rectangle is skipped). ``dims``: (B, H) of the queries.
+
+    Causality (index-causal in a causal segment, which the plan makes the same as
+    ``k <= q`` by position), the window, the documents and ``mask_mod`` are ANDed as
+    booleans, then the explicit mask's columns are added. Transient O(B·H·Lq·Lk).
+    """
+    qp, kp = pos(rank)[seg.q], pos(src)[seg.k]  # (Lq,), (Lk,) int32 on the device
+    visible = torch.ones(1, 1, len(qp), len(kp), dtype=torch.bool, device=qp.device)
+    if seg.causal:
+        visible = visible.tril()
+    if spec.window > 0:
+        visible = visible & _window_visible(qp, kp, spec.window)
+    if docs is not None:
+        visible = visible & docs.same_doc(pos.cpu(rank)[seg.q], pos.cpu(src)[seg.k], qp.device)
+    if spec.mods is not None and spec.mods.mask_mod is not None:
+        mq, mk = mod_positions(pos, rank, seg.q, valid_len), mod_positions(pos, src, seg.k, valid_len)
+        visible = visible & spec.mods.mask(dims[0], dims[1], mq, mk)
+    if not bool(visible.any()):
+        return None
+    mask = additive_mask(visible)  # (B|1, H|1, Lq, Lk)
+    if spec.attn_mask is not None:
+        m = spec.attn_mask  # (B|1, H|1, c|1, S)
+        cols = (m if m.shape[-2] == 1 else m[..., seg.q, :]).index_select(-1, kp)  # (B|1, H|1, Lq|1, Lk)
+        mask = mask + cols
+        if bool(torch.isneginf(mask).all()):
+            return None
+    return mask
 
 
 def fix_dead_rows(out: Tensor, lse: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:

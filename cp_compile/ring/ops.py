@@ -13,7 +13,7 @@ forward call with given arguments checks that every rank passed the same ones
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,8 +23,16 @@ from .agree import check_device, check_same_call, metadata
 from .faults import RingGroup
 from .loops import ring_backward, ring_forward
 from .masking import MaskSpec
+from .mods import lookup
 
 Tensor = torch.Tensor
+
+
+def _spec(window: int, attn_mask: Optional[Tensor], doc_ids: Optional[Tensor], mods: str,
+          mask_buffers: Optional[Sequence[Tensor]], score_buffers: Optional[Sequence[Tensor]]) -> MaskSpec:
+    """The op's masking arguments as one :class:`.masking.MaskSpec` (mods looked up by key)."""
+    entry = lookup(mods).with_buffers(mask_buffers, score_buffers) if mods else None
+    return MaskSpec(window, attn_mask, doc_ids, entry)
 
 
 def _run_options(group_name: str, kernel: str, q: Tensor, timeout: float, phase: str) -> dict:
@@ -35,78 +43,123 @@ def _run_options(group_name: str, kernel: str, q: Tensor, timeout: float, phase:
     return {"group": group, "kernel": get_kernel(kernel, q.device, q.dtype)}
 
 
-@torch.library.custom_op("cp_compile::ring_attention_fwd", mutates_args=())
+# Explicit schemas: ``Optional[List[Tensor]]`` (``Tensor[]?``) is not inferred from annotations.
+_OPTIONAL = ("int valid_len=-1, float timeout=-1., int window=-1, Tensor? attn_mask=None, Tensor? doc_ids=None, "
+             "str mods=\"\", Tensor[]? mask_buffers=None, Tensor[]? score_buffers=None")
+_FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, str group_name, str load_balance, str rotate, "
+               f"str kernel, {_OPTIONAL}) -> (Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale, "
+               f"str group_name, str load_balance, str rotate, str kernel, {_OPTIONAL}) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("cp_compile::ring_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def ring_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     group_name: str, load_balance: str, rotate: str, kernel: str, valid_len: int = -1, timeout: float = -1.0,
-    window: int = -1, attn_mask: Optional[Tensor] = None,
+    window: int = -1, attn_mask: Optional[Tensor] = None, doc_ids: Optional[Tensor] = None, mods: str = "",
+    mask_buffers: Optional[List[Tensor]] = None, score_buffers: Optional[List[Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Exact attention of local q over the CP group's whole K/V: (out, lse (B, H, c) fp32).
 
     ``valid_len`` >= 0: global positions from there on are padding (never attended).
     ``timeout`` > 0: seconds each ring wait may take (else the process group's timeout).
     ``window`` > 0 (causal): sliding window; ``attn_mask``: this rank's rows of an
-    additive float32 mask, (B|1, H|1, c, N·c) (see :mod:`.masking`)."""
+    additive float32 mask, (B|1, H|1, c, N·c) (see :mod:`.masking`). ``doc_ids``: (B|1, N·c)
+    integer document ids over the whole sequence (:mod:`.docs`); ``mods``: a key from
+    :func:`.mods.register_mods`, whose mask_mod / score_mod read ``mask_buffers`` /
+    ``score_buffers`` (whole tensors, constants)."""
     opts = _run_options(group_name, kernel, q, timeout, "forward")
     meta = metadata(q, k, v, causal, scale, load_balance, rotate, opts["kernel"].name, valid_len, window,
-                    attn_mask)
+                    attn_mask, doc_ids=doc_ids, mods=mods, mask_buffers=mask_buffers, score_buffers=score_buffers)
     check_same_call(meta, opts["group"], q.device, opts["kernel"].name)
     return ring_forward(
         q, k, v, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate, valid_len=valid_len,
-        spec=MaskSpec(window, attn_mask), **opts
+        spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers), **opts
     )
 
 
 @ring_attention_fwd.register_fake
 def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1, timeout=-1.0, window=-1,
-      attn_mask=None):
+      attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None):
     # The real op returns fresh contiguous tensors whatever the input strides.
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype)
 
 
-@torch.library.custom_op("cp_compile::ring_attention_bwd", mutates_args=())
+@torch.library.custom_op("cp_compile::ring_attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
 def ring_attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
     scale: float, group_name: str, load_balance: str, rotate: str, kernel: str, valid_len: int = -1,
-    timeout: float = -1.0, window: int = -1, attn_mask: Optional[Tensor] = None,
+    timeout: float = -1.0, window: int = -1, attn_mask: Optional[Tensor] = None, doc_ids: Optional[Tensor] = None,
+    mods: str = "", mask_buffers: Optional[List[Tensor]] = None, score_buffers: Optional[List[Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries."""
     opts = _run_options(group_name, kernel, q, timeout, "backward")
     return ring_backward(
         dout, q, k, v, out, lse, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate,
-        valid_len=valid_len, spec=MaskSpec(window, attn_mask), **opts,
+        valid_len=valid_len, spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers), **opts,
     )
 
 
 @ring_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1, timeout=-1.0,
-      window=-1, attn_mask=None):
+      window=-1, attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, like the real op
 
 
 _OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "kernel", "valid_len", "timeout",
-                 "window")  # then attn_mask, a tensor
+                 "window")  # then the tensor arguments below, and mods between them
+_DEFAULTS = (-1, -1.0, -1, None, None, "", None, None)  # valid_len .. score_buffers
+
+
+def _refuse_learned_buffers(buffers: Sequence[Tensor]) -> None:
+    if any(t.requires_grad for t in buffers):
+        raise ValueError(
+            "cp_compile.ring_attention: a mask_buffers / score_buffers tensor requires grad; the ring treats "
+            "the mods' buffers as constants (learned biases are not supported by the ring yet). "
+            "Fix: pass buffer.detach(), or keep that attention out of the ring."
+        )
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
     q, k, v, *options = inputs
     out, lse = output
-    attn_mask = options[len(_OPTION_NAMES)] if len(options) > len(_OPTION_NAMES) else None
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    n_plain = len(_OPTION_NAMES)
+    options = list(options) + list(_DEFAULTS[len(options) - 6:])  # the defaults of arguments not passed
+    ctx.n_inputs = _n_inputs(options)
+    attn_mask, doc_ids, mods, mask_buffers, score_buffers = options[n_plain:n_plain + 5]
+    ctx.list_grads = [None if b is None else [None] * len(b) for b in (mask_buffers, score_buffers)]
+    mask_buffers, score_buffers = list(mask_buffers or ()), list(score_buffers or ())
+    _refuse_learned_buffers(mask_buffers + score_buffers)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, doc_ids, *mask_buffers, *score_buffers)
     ctx.options = dict(zip(_OPTION_NAMES, options))
+    ctx.mods, ctx.n_mask_buffers = mods, len(mask_buffers)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx: Any, dout: Tensor, _dlse: Any):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    o = ctx.options
+    q, k, v, out, lse, attn_mask, doc_ids, *buffers = ctx.saved_tensors
+    o, n = ctx.options, ctx.n_mask_buffers
     dq, dk, dv = ring_attention_bwd(
         dout.contiguous(), q, k, v, out, lse, o["causal"], o["scale"], o["group_name"],
-        o["load_balance"], o["rotate"], o["kernel"], o.get("valid_len", -1), o.get("timeout", -1.0),
-        o.get("window", -1), attn_mask,
+        o["load_balance"], o["rotate"], o["kernel"], o["valid_len"], o["timeout"], o["window"], attn_mask,
+        doc_ids, ctx.mods, buffers[:n] or None, buffers[n:] or None,
     )
-    return (dq, dk, dv) + (None,) * (len(_OPTION_NAMES) + 1)
+    # No gradient for the other inputs: None each, [None] * n for a list of n buffers, and one entry per
+    # input the dispatcher handed over: it drops trailing arguments equal to their defaults.
+    grads = (dq, dk, dv, *(None,) * (len(_OPTION_NAMES) + 3), *ctx.list_grads)
+    return grads[:ctx.n_inputs]
+
+
+def _n_inputs(options: List[Any]) -> int:
+    """How many inputs the autograd function sees: trailing defaulted arguments do not count."""
+    n = len(options)
+    while n > len(options) - len(_DEFAULTS):
+        value, default = options[n - 1], _DEFAULTS[n - 1 - (len(options) - len(_DEFAULTS))]
+        if not (value is None if default is None else (not isinstance(value, torch.Tensor) and value == default)):
+            break
+        n -= 1
+    return 3 + n
 
 
 ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

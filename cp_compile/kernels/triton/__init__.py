@@ -5,8 +5,9 @@ Unlike the block kernels (:mod:`cp_compile.kernels.base`), which return a per-st
 running softmax state (fp32 ``acc``, ``m``, ``l``) across steps and fold each
 visiting block into it inside the kernel (:mod:`.fwd`), and accumulate dQ/dK/dV in
 fp32 buffers in place (:mod:`.bwd`). Masks come from the global positions of the
-query and key rows, so one kernel serves every layout, padding included, and tiles
-with no visible pair are skipped.
+query and key rows (and, for packed documents, from per-row document ids), so one
+kernel serves every layout, padding included, and tiles with no visible pair are
+skipped.
 
 The ring loops use the step API (:class:`cp_compile.kernels.base.StepKernel`); the
 plain ``forward``/``backward`` of the block-kernel interface are provided too (one
@@ -44,6 +45,8 @@ class TritonKernel:
     name = "triton"
     fuses_merge = True
     supports_masks = False  # positions (causal, window, kv_limit) only; explicit masks: kernel='reference'
+    supports_doc_ids = True  # forward_step / backward_step take q_doc= / k_doc= (packed documents)
+    supports_mods = False  # no mask_mod / score_mod: kernel='aten' (CPU) or 'reference'
 
     def __init__(self, tiles: Optional[Tiles] = None) -> None:
         self.tiles = tiles
@@ -68,9 +71,12 @@ class TritonKernel:
 
     def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: State, q_pos: Tensor, k_pos: Tensor, *,
                      causal: bool, scale: float, kv_limit: int = fwd.NO_LIMIT, window: int = fwd.NO_LIMIT,
-                     counter: Optional[Tensor] = None) -> None:
+                     counter: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
+                     k_doc: Optional[Tensor] = None) -> None:
+        """Fold one visiting block into ``state`` (:func:`.fwd.forward_step`); ``q_doc``/``k_doc``
+        (B|1, S) int32: key j is visible to query i only if their document ids are equal."""
         fwd.forward_step(q, k, v, state, q_pos, k_pos, causal=causal, scale=scale, kv_limit=kv_limit,
-                         window=window, counter=counter, tiles=self.tiles)
+                         window=window, counter=counter, tiles=self.tiles, q_doc=q_doc, k_doc=k_doc)
 
     def finalize(self, state: State, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         return fwd.finalize(state, dtype)
@@ -81,9 +87,13 @@ class TritonKernel:
     def backward_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dlt: Tensor,
                       grads: State, q_pos: Tensor, k_pos: Tensor, *, causal: bool, scale: float,
                       kv_limit: int = fwd.NO_LIMIT, window: int = fwd.NO_LIMIT,
-                      counter: Optional[Tensor] = None) -> None:
+                      counter: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
+                      k_doc: Optional[Tensor] = None) -> None:
+        """Add one visiting block's gradients into ``grads`` (:func:`.bwd.backward_step`); documents as
+        in :meth:`forward_step`."""
         bwd.backward_step(dout, q, k, v, lse, dlt, grads, q_pos, k_pos, causal=causal, scale=scale,
-                          kv_limit=kv_limit, window=window, counter=counter, tiles=self.tiles)
+                          kv_limit=kv_limit, window=window, counter=counter, tiles=self.tiles,
+                          q_doc=q_doc, k_doc=k_doc)
 
     # ---- block-kernel API: one step over local positions --------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:

@@ -19,9 +19,11 @@ a fixed order (bit-reproducible):
   tiles; it adds into the fp32 DQ (B, H, S_q, D) that stays on this rank.
 
 Masking and tile skipping are the forward's (:mod:`.fwd`): by global positions, with
-``kv_limit`` marking padding and ``window`` a sliding window. Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
+``kv_limit`` marking padding, ``window`` a sliding window and, with ``DOCS``, document ids
+(equal ids only; tiles whose document ranges do not meet are skipped). Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
 Q, K, V, dO: (B, H(_kv), S, D) any strides; DQ, DK, DV fp32 contiguous; LSE, DELTA
-(B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32.
+(B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32; QDOC (B|1, S_q), KDOC (B|1, S_k)
+int32 (as in :mod:`.fwd`).
 """
 
 from __future__ import annotations
@@ -33,29 +35,32 @@ import triton
 import triton.language as tl
 
 from .configs import BWD_KV_CONFIGS, BWD_Q_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
-from .fwd import NO_LIMIT, cast, dot, key_rows, query_rows, tile_live, visible_pairs
+from .fwd import NO_LIMIT, cast, doc_args, doc_rows, dot, key_rows, query_rows, tile_live, visible_pairs
 
 Tensor = torch.Tensor
 
 
 @triton.jit
-def _probs(q, k, lse, q_pos, k_pos, kv_limit, window, scale, CAUSAL: tl.constexpr, INTERP: tl.constexpr):
+def _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
+           CAUSAL: tl.constexpr, DOCS: tl.constexpr, INTERP: tl.constexpr):
     """P (BLOCK_M, BLOCK_N) fp32 of one tile: exp(scale q·k - lse) where visible, else 0."""
     t = dot(q, tl.trans(k), INTERP) * scale
-    visible = visible_pairs(q_pos, k_pos, kv_limit, window, CAUSAL) & (lse > float("-inf"))[:, None]
+    visible = visible_pairs(q_pos, k_pos, kv_limit, window, q_doc, k_doc, CAUSAL, DOCS)
+    visible = visible & (lse > float("-inf"))[:, None]
     lse_ref = tl.where(lse > float("-inf"), lse, 0.0)
     return tl.exp(tl.where(visible, t - lse_ref[:, None], float("-inf")))  # masked: exp(-inf) = 0
 
 
 @triton.jit
 def _bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QDOC, KDOC,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_om, s_od,
+    s_qdoc, s_kdoc,
     H, S_q, S_k, D, kv_limit, window, scale,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, INTERP: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -64,6 +69,7 @@ def _bwd_dkdv(
     b = pid_bk // h_kv
     hk = pid_bk % h_kv
     offs_n, n_ok, k_pos = key_rows(KPOS, pid_n * BLOCK_N, S_k, BLOCK_N)
+    k_doc, k_dlo, k_dhi = doc_rows(KDOC, b, s_kdoc, offs_n, n_ok, DOCS)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -77,14 +83,16 @@ def _bwd_dkdv(
             h = hk * GROUP + g
             for start_m in range(0, S_q, BLOCK_M):
                 offs_m, m_ok, q_pos, q_min, q_max = query_rows(QPOS, start_m, S_q, BLOCK_M)
-                if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
+                q_doc, q_dlo, q_dhi = doc_rows(QDOC, b, s_qdoc, offs_m, m_ok, DOCS)
+                if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi, CAUSAL, DOCS):
                     qd_mask = m_ok[:, None] & d_ok[None, :]
                     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
                     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
                     row = (b * H + h) * S_q + offs_m
                     lse = tl.load(LSE + row, mask=m_ok, other=float("-inf"))
                     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
-                    p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, scale, CAUSAL, INTERP)  # (BLOCK_M, BLOCK_N)
+                    p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
+                               CAUSAL, DOCS, INTERP)  # (BLOCK_M, BLOCK_N)
                     dv += dot(tl.trans(cast(p, do.dtype, INTERP)), do, INTERP)
                     dp = dot(do, tl.trans(v), INTERP)  # (BLOCK_M, BLOCK_N)
                     ds = p * (dp - delta[:, None])
@@ -96,13 +104,14 @@ def _bwd_dkdv(
 
 @triton.jit
 def _bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, COUNTER,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QDOC, KDOC, COUNTER,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_om, s_od,
+    s_qdoc, s_kdoc,
     H, S_q, S_k, D, kv_limit, window, scale,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -111,6 +120,7 @@ def _bwd_dq(
     h = pid_bh % H
     hk = h // GROUP
     offs_m, m_ok, q_pos, q_min, q_max = query_rows(QPOS, pid_m * BLOCK_M, S_q, BLOCK_M)
+    q_doc, q_dlo, q_dhi = doc_rows(QDOC, b, s_qdoc, offs_m, m_ok, DOCS)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     qd_mask = m_ok[:, None] & d_ok[None, :]
@@ -122,11 +132,12 @@ def _bwd_dq(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start_n in range(0, S_k, BLOCK_N):
         offs_n, n_ok, k_pos = key_rows(KPOS, start_n, S_k, BLOCK_N)
-        if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
+        k_doc, k_dlo, k_dhi = doc_rows(KDOC, b, s_kdoc, offs_n, n_ok, DOCS)
+        if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi, CAUSAL, DOCS):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, scale, CAUSAL, INTERP)
+            p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale, CAUSAL, DOCS, INTERP)
             dp = dot(do, tl.trans(v), INTERP)
             ds = p * (dp - delta[:, None])
             dq += dot(cast(ds, k.dtype, INTERP), k, INTERP)
@@ -162,23 +173,29 @@ def backward_step(
     window: int = NO_LIMIT,
     counter: Optional[Tensor] = None,
     tiles: Optional[Tiles] = None,
+    q_doc: Optional[Tensor] = None,
+    k_doc: Optional[Tensor] = None,
 ) -> None:
     """Add this block's (dQ, dK, dV) contributions into ``grads`` = (dq, dk, dv) fp32, in place.
 
     dout, q: (B, H, S_q, D); k, v: (B, H_kv, S_k, D); lse, dlt: (B, H, S_q) fp32 (global
-    lse, :func:`delta`); dq (B, H, S_q, D), dk/dv (B, H_kv, S_k, D) fp32 contiguous.
+    lse, :func:`delta`); dq (B, H, S_q, D), dk/dv (B, H_kv, S_k, D) fp32 contiguous; q_doc
+    (B|1, S_q), k_doc (B|1, S_k) int32 document ids or both None (:func:`.fwd.forward_step`).
     ``counter`` counts the dQ kernel's computed tiles (tests).
     """
     dq, dk, dv = grads
     b, h, s_q, d = q.shape
     h_kv, s_k = k.shape[1], k.shape[2]
     lse = lse.float().contiguous()
-    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), h, s_q, s_k, d, kv_limit, window, scale)
-    consts = dict(GROUP=h // h_kv, CAUSAL=causal, INTERP=INTERPRET, BLOCK_D=padded_head_dim(d))
+    docs = doc_args(q_doc, k_doc, q_pos, k_pos, b)
+    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), docs.q_stride, docs.k_stride,
+              h, s_q, s_k, d, kv_limit, window, scale)
+    consts = dict(GROUP=h // h_kv, CAUSAL=causal, DOCS=docs.on, INTERP=INTERPRET, BLOCK_D=padded_head_dim(d))
     kv_grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
     q_grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731
-    kv_args = (q, k, v, dout, lse, dlt, dk, dv, q_pos, k_pos, *common)
-    q_args = (q, k, v, dout, lse, dlt, dq, q_pos, k_pos, counter if counter is not None else q_pos, *common)
+    kv_args = (q, k, v, dout, lse, dlt, dk, dv, q_pos, k_pos, docs.q, docs.k, *common)
+    q_args = (q, k, v, dout, lse, dlt, dq, q_pos, k_pos, docs.q, docs.k, counter if counter is not None else q_pos,
+              *common)
     fixed = fixed_tiles(tiles)
     if fixed is None:
         _bwd_dkdv_tuned[kv_grid](*kv_args, **consts)

@@ -1,8 +1,8 @@
 """Launch configurations of the Triton kernels: GPU autotune lists and the interpreter's.
 
 On a GPU every kernel is wrapped in :func:`triton.autotune` with the configs below,
-keyed on what changes the best tiling: the padded head dim, the causal flag and the
-block lengths (a ring run keeps one block length, so each kernel tunes once). The
+keyed on what changes the best tiling: the padded head dim, the causal and document flags
+and the block lengths (a ring run keeps one block length, so each kernel tunes once). The
 kernels accumulate in place, so the autotuner restores their accumulators after
 each trial (``restore_value``).
 
@@ -42,7 +42,7 @@ class Tiles:
 # programs small at test shapes, small enough to exercise several tiles per block.
 INTERPRETER_TILES = Tiles(32, 32)
 
-KEY = ["S_q", "S_k", "BLOCK_D", "CAUSAL"]
+KEY = ["S_q", "S_k", "BLOCK_D", "CAUSAL", "DOCS"]
 
 
 def _configs(pairs, warps, stages) -> List[triton.Config]:

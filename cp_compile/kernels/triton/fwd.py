@@ -26,18 +26,27 @@ striped diagonal in/excluded, padding at the end) and sliding windows. A tile wh
 every pair is masked (``min kpos > max qpos``, ``min qpos - max kpos >= window`` or
 ``min kpos >= kv_limit``) is skipped before any Q/K/V data is loaded for it.
 
+Packed documents (``DOCS``): with per-row document ids QDOC (B|1, S_q) and KDOC
+(B|1, S_k) int32, key j is visible to query i only if also ``qdoc[i] == kdoc[j]``.
+A tile is skipped, before K/V are loaded, when the document ranges of its query and
+key rows do not meet (``max kdoc < min qdoc`` or ``min kdoc > max qdoc``). Documents
+are contiguous position ranges and a block's rows are in increasing position, so the
+ids are sorted along a block and these ranges are tight; with unsorted ids the test
+stays sound (it only skips tiles with no shared document), just less often.
+
 Precision: Q·Kᵀ and P·V take their operands in the input dtype (tensor cores) and
 accumulate in fp32; P is rounded to the input dtype for P·V, as in every flash
 kernel (measured: the bf16 output error then equals PyTorch's CPU flash kernel's).
 
 Shapes: Q (B, H, S_q, D); K, V (B, H_kv, S_k, D), query head h reads K/V head
 h // GROUP with GROUP = H / H_kv (no K/V copy); ACC (B, H, S_q, D) fp32 contiguous;
-M, L (B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32.
+M, L (B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32; QDOC, KDOC row-major
+int32 whose batch stride is 0 when one row of ids serves every batch row.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -80,12 +89,27 @@ def cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def visible_pairs(q_pos, k_pos, kv_limit, window, CAUSAL: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) bool: key visible to query by global positions (module docstring)."""
+def visible_pairs(q_pos, k_pos, kv_limit, window, q_doc, k_doc, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool: key visible to query by global positions and, with DOCS,
+    by equal document ids (module docstring)."""
     visible = (k_pos < kv_limit)[None, :] & ((q_pos[:, None] - k_pos[None, :]) < window)
     if CAUSAL:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    if DOCS:
+        visible = visible & (q_doc[:, None] == k_doc[None, :])
     return visible
+
+
+@triton.jit
+def doc_rows(DOC, b, s_docb, offs, ok, DOCS: tl.constexpr):
+    """Document ids of rows ``offs`` of batch row ``b``: (ids (BLOCK,) int32, min and max over
+    the in-range rows). Without DOCS nothing is loaded: (offs, 0, 0), never read."""
+    doc, lo, hi = offs, 0, 0
+    if DOCS:
+        doc = tl.load(DOC + b * s_docb + offs, mask=ok, other=0)
+        lo = tl.min(tl.where(ok, doc, 2147483647), axis=0)
+        hi = tl.max(tl.where(ok, doc, lo), axis=0)  # a tile always has an in-range row
+    return doc, lo, hi
 
 
 @triton.jit
@@ -109,22 +133,26 @@ def key_rows(KPOS, start, S_k, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL: tl.constexpr):
-    """Whether a (query tile, key tile) pair may hold a visible pair, from position bounds only."""
+def tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi,
+              CAUSAL: tl.constexpr, DOCS: tl.constexpr):
+    """Whether a (query tile, key tile) pair may hold a visible pair, from position bounds and,
+    with DOCS, document-id bounds ([q_dlo, q_dhi] and [k_dlo, k_dhi] must meet)."""
     k_min = tl.min(k_pos, axis=0)  # out-of-range keys hold INT32_MAX
     k_max = tl.max(tl.where(n_ok, k_pos, -1), axis=0)
     live = (k_min < kv_limit) & (q_min - k_max < window)
     if CAUSAL:
         live = live & (k_min <= q_max)
+    if DOCS:
+        live = live & (k_dhi >= q_dlo) & (k_dlo <= q_dhi)
     return live
 
 
 @triton.jit
-def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, scale,
-               CAUSAL: tl.constexpr, INTERP: tl.constexpr):
+def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
+               CAUSAL: tl.constexpr, DOCS: tl.constexpr, INTERP: tl.constexpr):
     """The online-softmax update of (acc (BLOCK_M, BLOCK_D), m, l (BLOCK_M,)) by one key tile."""
     t = dot(q, tl.trans(k), INTERP) * scale  # (BLOCK_M, BLOCK_N) fp32 logits
-    visible = visible_pairs(q_pos, k_pos, kv_limit, window, CAUSAL)
+    visible = visible_pairs(q_pos, k_pos, kv_limit, window, q_doc, k_doc, CAUSAL, DOCS)
     t = tl.where(visible, t, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(t, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows still keyless: no -inf - -inf
@@ -136,12 +164,13 @@ def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, scale,
 
 @triton.jit
 def _fwd_step(
-    Q, K, V, ACC, M, L, QPOS, KPOS, COUNTER,
+    Q, K, V, ACC, M, L, QPOS, KPOS, QDOC, KDOC, COUNTER,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
+    s_qdoc, s_kdoc,
     H, S_q, S_k, D, kv_limit, window, scale,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -150,6 +179,7 @@ def _fwd_step(
     h = pid_bh % H
     hk = h // GROUP
     offs_m, m_ok, q_pos, q_min, q_max = query_rows(QPOS, pid_m * BLOCK_M, S_q, BLOCK_M)
+    q_doc, q_dlo, q_dhi = doc_rows(QDOC, b, s_qdoc, offs_m, m_ok, DOCS)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
 
@@ -167,11 +197,13 @@ def _fwd_step(
 
     for start_n in range(0, S_k, BLOCK_N):
         offs_n, n_ok, k_pos = key_rows(KPOS, start_n, S_k, BLOCK_N)
-        if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, CAUSAL):
+        k_doc, k_dlo, k_dhi = doc_rows(KDOC, b, s_kdoc, offs_n, n_ok, DOCS)
+        if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi, CAUSAL, DOCS):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, scale, CAUSAL, INTERP)
+            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
+                                       CAUSAL, DOCS, INTERP)
             if COUNT:
                 tl.atomic_add(COUNTER, 1)
 
@@ -201,6 +233,43 @@ def _finalize(ACC, M, L, OUT, LSE, n_rows, D, INTERP: tl.constexpr, BLOCK_R: tl.
 _fwd_step_tuned = triton.autotune(FWD_CONFIGS, key=KEY, restore_value=["ACC", "M", "L", "COUNTER"])(_fwd_step)
 
 
+class DocArgs(NamedTuple):
+    """The document-id arguments of a kernel launch (see :func:`doc_args`)."""
+
+    q: Tensor  # QDOC pointer: (B|1, S_q) int32 contiguous, or a placeholder when ``on`` is False
+    k: Tensor  # KDOC pointer: (B|1, S_k) int32 contiguous, or a placeholder
+    q_stride: int  # batch stride of QDOC (0: one row of ids for every batch row)
+    k_stride: int
+    on: bool  # the DOCS constexpr
+
+
+def _doc_rows(doc: Tensor, name: str, s: int, b: int) -> Tuple[Tensor, int]:
+    if doc.dtype != torch.int32:
+        raise TypeError(f"cp_compile: the Triton kernels take {name} as int32, got {doc.dtype}. "
+                        f"Fix: pass {name}.to(torch.int32) (document ids must fit in int32).")
+    if doc.dim() == 1:
+        doc = doc.unsqueeze(0)
+    if doc.dim() != 2 or doc.shape[0] not in (1, b) or doc.shape[1] != s:
+        raise ValueError(f"cp_compile: {name} has shape {tuple(doc.shape)}; the Triton kernels take one "
+                         f"document id per row, (B|1, S) = ({b} or 1, {s}). Fix: index the whole (B|1, S) "
+                         "document ids by this block's global positions.")
+    doc = doc.contiguous()
+    return doc, (s if doc.shape[0] > 1 else 0)
+
+
+def doc_args(q_doc: Optional[Tensor], k_doc: Optional[Tensor], q_pos: Tensor, k_pos: Tensor, b: int) -> DocArgs:
+    """Check and lay out the document ids of a step: both given (int32, (B|1, S_q) and (B|1, S_k)) or neither
+    (then the position tensors stand in as never-read pointers)."""
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("cp_compile: the Triton kernels take document ids for both the queries and the keys, "
+                         "or for neither. Fix: pass q_doc and k_doc together.")
+    if q_doc is None:
+        return DocArgs(q_pos, k_pos, 0, 0, False)
+    q_doc, q_stride = _doc_rows(q_doc, "q_doc", q_pos.shape[0], b)
+    k_doc, k_stride = _doc_rows(k_doc, "k_doc", k_pos.shape[0], b)
+    return DocArgs(q_doc, k_doc, q_stride, k_stride, True)
+
+
 def new_state(q: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The empty running state for queries q (B, H, S_q, D): acc 0, m -inf, l 0 (all fp32)."""
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, S_q, D)
@@ -223,22 +292,26 @@ def forward_step(
     window: int = NO_LIMIT,
     counter: Optional[Tensor] = None,
     tiles: Optional[Tiles] = None,
+    q_doc: Optional[Tensor] = None,
+    k_doc: Optional[Tensor] = None,
 ) -> None:
     """Merge ``q`` attending to the block ``k``/``v`` into ``state`` (from :func:`new_state`) in place.
 
     q: (B, H, S_q, D); k, v: (B, H_kv, S_k, D); q_pos (S_q,), k_pos (S_k,) int32 global
-    positions. ``counter`` (int32 (1,)) counts the tiles computed, for tests.
+    positions; q_doc (B|1, S_q), k_doc (B|1, S_k) int32 document ids, or both None.
+    ``counter`` (int32 (1,)) counts the tiles computed, for tests.
     """
     acc, m, l = state
     b, h, s_q, d = q.shape
     s_k = k.shape[2]
+    docs = doc_args(q_doc, k_doc, q_pos, k_pos, b)
     grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731
     args = (
-        q, k, v, acc, m, l, q_pos, k_pos, counter if counter is not None else q_pos,
-        *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, acc, m, l, q_pos, k_pos, docs.q, docs.k, counter if counter is not None else q_pos,
+        *q.stride(), *k.stride(), *v.stride(), docs.q_stride, docs.k_stride,
         h, s_q, s_k, d, kv_limit, window, scale,
     )
-    consts = dict(GROUP=h // k.shape[1], CAUSAL=causal, COUNT=counter is not None, INTERP=INTERPRET,
+    consts = dict(GROUP=h // k.shape[1], CAUSAL=causal, DOCS=docs.on, COUNT=counter is not None, INTERP=INTERPRET,
                   BLOCK_D=padded_head_dim(d))
     fixed = fixed_tiles(tiles)
     if fixed is None:

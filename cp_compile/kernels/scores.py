@@ -1,0 +1,95 @@
+"""Explicit-scores block attention for a ``score_mod``: any device and dtype, fp32 math.
+
+A ``score_mod`` (FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx, ...)``, e.g.
+ALiBi or logit soft-capping) changes the scores themselves, which no flash op exposes,
+so the ring computes such rectangles here, one (B, H, Lq, Lk) score block at a time
+(transient, freed after the call):
+
+* forward: ``s = score(q·kᵀ·scale)`` masked additively -> (out, lse), lse = -inf and
+  out = 0 for a row with no visible key;
+* backward, with the *global* out and lse: recomputes ``s`` and its vector-Jacobian
+  product through ``score`` (``torch.func.vjp``), then
+  ``dv = pᵀ dO``, ``dp = dO vᵀ``, ``ds = p (dp - rowsum(dO·O))``, ``dq = vjp(ds) k · scale``,
+  ``dk = vjp(ds)ᵀ q · scale``.
+
+GQA: query head h reads K/V head ``h // (H / H_kv)``, without repeating K/V in memory.
+Math runs in fp32 (fp64 for fp64 inputs), so the result is as exact as the reference kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+ScoreFn = Callable[[Tensor], Tensor]  # (B, H, Lq, Lk) scores -> modified scores, same shape
+
+
+def _ct(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _raw_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """q·kᵀ·scale (B, H, Lq, Lk) in the compute dtype; q (B, H, Lq, D), k (B, H_kv, Lk, D)."""
+    b, h, lq, d = q.shape
+    h_kv, ct = k.shape[1], _ct(q.dtype)
+    qg = q.to(ct).reshape(b, h_kv, h // h_kv, lq, d)  # (B, H_kv, G, Lq, D)
+    s = torch.einsum("bngqd,bnkd->bngqk", qg, k.to(ct)) * scale
+    return s.reshape(b, h, lq, k.shape[2])
+
+
+def _masked(s: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
+    if mask is not None:
+        s = s + mask.to(s.dtype)
+    if causal:
+        lq, lk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s
+
+
+def _grouped(x: Tensor, h_kv: int) -> Tensor:
+    b, h = x.shape[:2]
+    return x.reshape(b, h_kv, h // h_kv, *x.shape[2:])  # (B, H_kv, G, ...)
+
+
+class ScoresKernel:
+    """Block attention with a score function (not a registered kernel: the ring calls it for
+    rectangles that have a ``score_mod``, whatever ``kernel=`` says)."""
+
+    name = "scores"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, score: ScoreFn,
+                mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """(out (B, H, Lq, D), lse (B, H, Lq)) in the compute dtype; ``mask`` additive (B|1, H|1, Lq, Lk)."""
+        b, h, lq, d = q.shape
+        s = _masked(score(_raw_scores(q, k, scale)), mask, causal)  # (B, H, Lq, Lk)
+        lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
+        safe = lse.masked_fill(torch.isneginf(lse), 0.0)
+        p = torch.exp(s - safe.unsqueeze(-1))  # rows with no key: exp(-inf) = 0
+        out = torch.einsum("bngqk,bnkd->bngqd", _grouped(p, k.shape[1]), v.to(p.dtype))
+        return out.reshape(b, h, lq, d), lse
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+                 causal: bool, scale: float, score: ScoreFn,
+                 mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv) of this block given the global ``out`` and ``lse`` (B, H, Lq)."""
+        h_kv = k.shape[1]
+        raw = _raw_scores(q, k, scale)
+        ct = raw.dtype
+        s_mod, vjp = torch.func.vjp(score, raw)
+        s = _masked(s_mod, mask, causal)  # (B, H, Lq, Lk)
+        lse = lse.to(ct)
+        p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))  # global probabilities
+        do, o = dout.to(ct), out.to(ct)
+        dv = torch.einsum("bngqk,bngqd->bnkd", _grouped(p, h_kv), _grouped(do, h_kv))
+        dp = torch.einsum("bngqd,bnkd->bngqk", _grouped(do, h_kv), v.to(ct)).reshape(p.shape)
+        ds = p * (dp - (do * o).sum(-1, keepdim=True))  # d loss / d (modified score)
+        (ds_raw,) = vjp(ds)
+        ds_raw = ds_raw.masked_fill(torch.isneginf(s), 0.0) * scale  # masked pairs carry nothing, even where score' is inf
+        dq = torch.einsum("bngqk,bnkd->bngqd", _grouped(ds_raw, h_kv), k.to(ct)).reshape(q.shape)
+        dk = torch.einsum("bngqk,bngqd->bnkd", _grouped(ds_raw, h_kv), _grouped(q.to(ct), h_kv))
+        return dq, dk, dv
+
+
+SCORES = ScoresKernel()

@@ -1,0 +1,89 @@
+"""The block-kernel calls of one ring step: the plan's rectangles refined by every masking rule.
+
+:func:`step_calls` lists, for this rank's queries against the visiting block ``src``,
+each dense call the loops of :mod:`.loops` make (forward and backward alike), as a
+:class:`Call`: which batch rows, query rows and key rows, causal or not, an additive
+mask or none, and a score function when a ``score_mod`` applies. Three forms:
+
+* no rule beyond the plan, or only a window / explicit mask: the plan's rectangles,
+  each cut by :func:`.masking.segment_call` as before;
+* document ids alone (with causal and/or padding): each rectangle split into its
+  equal-document sub-rectangles (:func:`.docs.doc_rectangles`), per batch row when the
+  rows' documents differ; no mask tensor at all;
+* mods, or documents with a window / explicit mask: one boolean mask per rectangle
+  (:func:`.masking.rule_mask`), skipped when nothing is visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+
+from ..group import CPGroup
+from .docs import DocIndex, doc_rectangles
+from .masking import BlockPositions, MaskSpec, mod_positions, rule_mask, segment_call
+from .plan import ALL, Segment, step_segments
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: ``q[b, :, q_rows]`` attending to the visiting ``k/v[b, :, k_rows]``."""
+
+    b: slice
+    q: slice
+    k: slice
+    causal: bool
+    mask: Optional[Tensor] = None  # additive (B|1, H|1, Lq, Lk), -inf where masked
+    score: Optional[Callable[[Tensor], Tensor]] = None  # score_mod at this rectangle's positions
+
+
+def _span(s: slice, c: int) -> Tuple[int, int]:
+    r = range(c)[s]
+    return r.start, r.stop
+
+
+def _sub(start: int, a: int, b: int, c: int) -> slice:
+    """Rows [start + a, start + b) as a slice, ``ALL`` when that is every row."""
+    return ALL if start + a == 0 and start + b == c else slice(start + a, start + b)
+
+
+def _doc_calls(docs: DocIndex, seg: Segment, pos: BlockPositions, rank: int, src: int, c: int) -> Iterator[Call]:
+    """The equal-document sub-rectangles of ``seg``, per batch group of ``docs``."""
+    (q0, q1), (k0, k1) = _span(seg.q, c), _span(seg.k, c)
+    q_pos, k_pos = pos.cpu(rank)[q0:q1], pos.cpu(src)[k0:k1]
+    for g, rows in enumerate(docs.groups):
+        for a, b, e, f, causal in doc_rectangles(docs.at(g, q_pos), docs.at(g, k_pos), seg.causal):
+            yield Call(rows, _sub(q0, a, b, c), _sub(k0, e, f, c), causal)
+
+
+def _score_fn(spec: MaskSpec, seg: Segment, pos: BlockPositions, rank: int, src: int, valid_len: int):
+    """``score_mod`` bound to the rectangle's global positions, or None."""
+    if spec.mods is None or spec.mods.score_mod is None:
+        return None
+    qp, kp = mod_positions(pos, rank, seg.q, valid_len), mod_positions(pos, src, seg.k, valid_len)
+    mods = spec.mods
+    return lambda s: mods.scores(s, qp, kp)
+
+
+def step_calls(spec: MaskSpec, docs: Optional[DocIndex], load_balance: str, causal: bool, group: CPGroup,
+               src: int, c: int, valid_len: int, pos: BlockPositions, dims: Tuple[int, int]) -> Iterator[Call]:
+    """Every kernel call of this rank's queries against block ``src`` (see the module docstring).
+
+    ``valid_len`` >= 0: global positions from there on are padding; ``dims``: (B, H) of q.
+    """
+    valid = pos.valid_keys(src, valid_len)
+    for seg in step_segments(load_balance, causal, group.size, group.rank, src, c, valid):
+        if spec.per_rectangle_mask:
+            mask = rule_mask(spec, docs, seg, pos, group.rank, src, dims, valid_len)
+            if mask is not None:
+                yield Call(ALL, seg.q, seg.k, False, mask, _score_fn(spec, seg, pos, group.rank, src, valid_len))
+        elif docs is not None:
+            yield from _doc_calls(docs, seg, pos, group.rank, src, c)
+        else:
+            call = segment_call(spec, seg, pos(group.rank), pos(src)) if spec.active else (seg.causal, None)
+            if call is not None:
+                yield Call(ALL, seg.q, seg.k, call[0], call[1])

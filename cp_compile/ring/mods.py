@@ -1,0 +1,206 @@
+"""FlexAttention-style ``mask_mod`` / ``score_mod`` for the ring, over *global* positions.
+
+The ring op takes mods as a string key (custom ops carry only tensors and plain values):
+:func:`register_mods` stores the functions under a key that is the same on every rank
+for the same functions, and the op looks them up (:func:`lookup`). Semantics are
+FlexAttention's:
+
+* ``mask_mod(b, h, q_idx, kv_idx, *mask_buffers) -> bool`` (True = attend);
+* ``score_mod(score, b, h, q_idx, kv_idx, *score_buffers) -> score``, ``score`` being
+  ``q·k·scale`` in fp32 (fp64 for fp64 inputs),
+
+with ``q_idx`` / ``kv_idx`` the global token positions (never the local row index), and
+the buffers (document ids, per-head slopes, ...) passed whole, as constants. Each ring
+rectangle evaluates the mods on its own ``(B, H, Lq, Lk)`` grid with ``torch.vmap`` over
+(b, h, q, kv), as FlexAttention's ``create_mask`` does, so a mod written for
+FlexAttention runs unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+MaskMod = Callable[..., Tensor]
+ScoreMod = Callable[..., Tensor]
+_SMALL = 1 << 16  # captured tensors up to this many elements are hashed by value
+
+
+@dataclass(frozen=True)
+class Mods:
+    """The mods of one ring call and the tensors they read (treated as constants)."""
+
+    mask_mod: Optional[MaskMod] = None
+    score_mod: Optional[ScoreMod] = None
+    mask_buffers: Tuple[Tensor, ...] = ()
+    score_buffers: Tuple[Tensor, ...] = ()
+
+    def with_buffers(self, mask_buffers: Optional[Sequence[Tensor]],
+                     score_buffers: Optional[Sequence[Tensor]]) -> "Mods":
+        """This entry with the buffers of one call."""
+        return Mods(self.mask_mod, self.score_mod, tuple(mask_buffers or ()), tuple(score_buffers or ()))
+
+    def mask(self, b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``mask_mod`` on the grid (b, h, q_pos x k_pos): bool (B, H, Lq, Lk), True = attend."""
+        if self.mask_mod is None:
+            return torch.ones(1, 1, len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
+        out = _evaluate(self.mask_mod, "mask_mod", (), _indices(b, h, q_pos, k_pos), self.mask_buffers)
+        return _as_grid(out, "mask_mod", (b, h, len(q_pos), len(k_pos))).to(torch.bool)
+
+    def scores(self, s: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``score_mod`` applied to scores ``s`` (B, H, Lq, Lk) at global positions."""
+        b, h, lq, lk = s.shape
+        out = _evaluate(self.score_mod, "score_mod", (s,), _indices(b, h, q_pos, k_pos), self.score_buffers)
+        return _as_grid(out, "score_mod", (b, h, lq, lk)).to(s.dtype)
+
+
+def _evaluate(fn: Callable, what: str, score: Tuple[Tensor, ...], idx: Tuple[Tensor, ...],
+              buffers: Tuple[Tensor, ...]) -> Tensor:
+    """``fn(*score, b, h, q, kv, *buffers)`` on the (B, H, Lq, Lk) grid: by ``torch.vmap`` (FlexAttention's
+    way), else by broadcasting the indices as (B,1,1,1), (1,H,1,1), (1,1,Lq,1), (1,1,1,Lk) (what
+    runs under a dispatch mode that cannot see through vmap's batched tensors)."""
+    try:
+        return _vmap_bhqkv(fn, len(buffers), score=bool(score))(*score, *idx, *buffers)
+    except Exception as vmap_error:  # noqa: BLE001 - retried by broadcasting, re-raised below if that fails too
+        shaped = tuple(t.view([-1 if d == i else 1 for d in range(4)]) for i, t in enumerate(idx))
+        try:
+            return fn(*score, *shaped, *buffers)
+        except Exception:  # noqa: BLE001
+            raise ValueError(
+                f"cp_compile: the {what} {getattr(fn, '__qualname__', fn)!r} failed on the ring's (b, h, q_idx, "
+                f"kv_idx) grid ({vmap_error}). Fix: write it as for FlexAttention, with torch operations on its "
+                "index tensors (no Python `if` on them, no .item()), and pass the tensors it reads as buffers."
+            ) from vmap_error
+
+
+def _indices(b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    dev = q_pos.device
+    return (torch.arange(b, device=dev), torch.arange(h, device=dev), q_pos.long(), k_pos.long())
+
+
+def _vmap_bhqkv(fn: Callable, n_buffers: int, *, score: bool) -> Callable:
+    """``fn`` vectorised over (b, h, q, kv) like FlexAttention: the innermost vmap runs over kv.
+
+    With ``score``, the first argument is the (B, H, Lq, Lk) score grid, mapped along
+    each of its dims together with the matching index."""
+    rest = (None,) * n_buffers
+    for dim in (3, 2, 1, 0):  # kv innermost, b outermost
+        idx = tuple(0 if i == dim else None for i in range(4))
+        fn = torch.vmap(fn, in_dims=((0,) if score else ()) + idx + rest, out_dims=0)
+    return fn
+
+
+def _as_grid(out: Any, what: str, shape: Tuple[int, int, int, int]) -> Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"cp_compile: the {what} returned {type(out).__name__}, not a tensor. Fix: write it with torch "
+            "operations on its index arguments (as for FlexAttention), e.g. `return q_idx >= kv_idx`."
+        )
+    return out.expand(shape)
+
+
+def lookup(key: str) -> Mods:
+    """The mods registered under ``key`` (without buffers), or an error naming the fix."""
+    if key not in _REGISTRY:
+        raise ValueError(
+            f"cp_compile: no mask_mod/score_mod is registered under {key!r} in this process. "
+            "Fix: call cp_compile.ring.mods.register_mods(...) on every rank before the ring op runs "
+            "(cp_compile.ring_attention(mask_mod=..., score_mod=...) does it for you)."
+        )
+    return _REGISTRY[key]
+
+
+def register_mods(mask_mod: Optional[MaskMod] = None, score_mod: Optional[ScoreMod] = None) -> str:
+    """Store the mods and return their key: deterministic, the same on every rank for the same functions.
+
+    Registering again under the same key replaces the entry. The key hashes each
+    function's code (a GraphModule's ``.code`` and its tensors, or a Python function's
+    qualname, bytecode, constants, defaults and captured values), so two different
+    functions do not share a key unless they compute the same thing.
+    """
+    if mask_mod is None and score_mod is None:
+        return ""
+    for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"cp_compile: {name} must be callable, got {type(fn).__name__}. "
+                             f"Fix: pass a function {name}(b, h, q_idx, kv_idx, ...).")
+    h = hashlib.sha256()
+    for fn in (mask_mod, score_mod):
+        h.update(b"|")
+        _hash_obj(h, fn, depth=0)
+    key = "mods:" + h.hexdigest()[:24]
+    _REGISTRY[key] = Mods(mask_mod, score_mod)
+    return key
+
+
+_REGISTRY: Dict[str, Mods] = {}
+
+
+def _hash_tensor(h: "hashlib._Hash", t: Tensor) -> None:
+    h.update(f"T{tuple(t.shape)}{t.dtype}".encode())
+    if t.numel() > _SMALL or t.is_meta or isinstance(t, torch._subclasses.FakeTensor):
+        return  # shape and dtype only: no values to read (or too many to read on every call)
+    try:
+        h.update(t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
+    except (RuntimeError, TypeError):  # a dtype or tensor subclass without plain values
+        pass
+
+
+def _hash_code(h: "hashlib._Hash", code: types.CodeType, depth: int) -> None:
+    h.update(code.co_qualname.encode() if hasattr(code, "co_qualname") else code.co_name.encode())
+    h.update(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        _hash_obj(h, const, depth + 1)
+
+
+def _hash_obj(h: "hashlib._Hash", obj: Any, depth: int) -> None:
+    """Feed a process-independent description of ``obj`` (no ids or addresses) into ``h``."""
+    if depth > 6:
+        h.update(type(obj).__name__.encode())
+    elif obj is None or isinstance(obj, (bool, int, float, str, bytes, complex)):
+        h.update(repr(obj).encode())
+    elif isinstance(obj, torch.Tensor):
+        _hash_tensor(h, obj)
+    elif isinstance(obj, types.CodeType):
+        _hash_code(h, obj, depth)
+    elif isinstance(obj, (tuple, list, frozenset)):
+        h.update(f"{type(obj).__name__}{len(obj)}".encode())
+        for x in (sorted(obj, key=repr) if isinstance(obj, frozenset) else obj):
+            _hash_obj(h, x, depth + 1)
+    elif isinstance(obj, torch.fx.GraphModule):
+        h.update(obj.code.encode())
+        for name, t in sorted({**dict(obj.named_parameters()), **dict(obj.named_buffers())}.items()):
+            h.update(name.encode())
+            _hash_tensor(h, t)
+        for name, value in sorted(vars(obj).items()):
+            if isinstance(value, torch.Tensor) and not name.startswith("_"):
+                h.update(name.encode())
+                _hash_tensor(h, value)
+    elif isinstance(obj, types.FunctionType):
+        h.update(f"{obj.__module__}.{obj.__qualname__}".encode())
+        _hash_code(h, obj.__code__, depth)
+        _hash_obj(h, obj.__defaults__, depth + 1)
+        _hash_obj(h, tuple(c.cell_contents for c in obj.__closure__ or () if _filled(c)), depth + 1)
+    elif isinstance(obj, types.MethodType):
+        _hash_obj(h, obj.__func__, depth + 1)
+        h.update(type(obj.__self__).__qualname__.encode())
+    elif hasattr(obj, "func") and hasattr(obj, "args"):  # functools.partial
+        _hash_obj(h, (obj.func, obj.args, tuple(sorted(obj.keywords.items()))), depth + 1)
+    else:
+        h.update(f"{type(obj).__module__}.{type(obj).__qualname__}".encode())
+        if callable(obj) and hasattr(type(obj), "__call__"):
+            _hash_obj(h, type(obj).__call__, depth + 1)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
