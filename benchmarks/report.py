@@ -153,9 +153,26 @@ def check_compile(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
     return out
 
 
+def check_doc_memory(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
+    rows = [x for x in r["rows"] if x["path"] == "documents" and x["world"] == 4 and "ratio_above" in x]
+    if not rows:
+        return [("8. memory, documents", "N=4 per-rank peak ≤ 0.30× N=1", "no N=4 result", None, "")]
+    worst = max(rows, key=lambda x: x["ratio_above"])
+    meas = ", ".join(f"S={x['seq_len']}: {_f(x['ratio_above'])}×" for x in rows)
+    return [("8. memory, documents", "N=4 per-rank peak ≤ 0.30× N=1 (varlen)", meas, worst["ratio_above"] <= 0.30, "")]
+
+
+def check_doc_balance(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
+    worst = max(s["doc_pairs_ratio_max"] for s in r["summary"])
+    zz = max(s["zigzag_pairs_ratio_max"] for s in r["summary"])
+    meas = f"{_f(worst, 3)} (global zig-zag: up to {_f(zz)})"
+    return [("9. balance, documents", "document-aware busiest / idlest ≤ 1.05 (pairs)", meas, worst <= 1.05, "")]
+
+
 CHECKS: Dict[str, Callable[[Rec], list]] = {
     "memory": check_memory, "balance": check_balance, "overlap": check_overlap, "e2e": check_e2e,
     "kernel": check_kernel, "vs_torch_cp": check_vs_torch, "compile": check_compile,
+    "doc_memory": check_doc_memory, "doc_balance": check_doc_balance,
 }
 
 

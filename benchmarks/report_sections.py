@@ -176,9 +176,27 @@ def plot_error(r: Rec) -> None:
     plt.close(fig)
 
 
+def doc_balance(r: Rec) -> str:
+    a = r["args"]
+    return ("Visible pairs:\n\n" + r["table_pairs"] + f"\n\n{a['block_m']}x{a['block_n']} tiles:\n\n"
+            + r["table_tiles"] + "\n\n![balance with packed documents](doc_balance.png)")
+
+
+def doc_memory(r: Rec) -> str:
+    rows = []
+    for x in r["rows"]:
+        what = "failed: " + x["error"] if "error" in x else _f(x["peak_above_mib"], 1)
+        rows.append([x["path"], x["seq_len"], x["world"], x.get("documents", ""), what, _f(x.get("ratio_above", 1), 3),
+                     "" if "loss_diff" not in x else f"{x['loss_diff']:.1e}"])
+    return _table(["path", "S", "N", "documents", "peak above baseline (MiB, max rank)", "× N=1 varlen",
+                   "|loss − N=1|"], rows)
+
+
 SECTIONS = [
     ("memory", "1. Memory scaling", memory), ("balance", "2. Load balance", balance),
     ("overlap", "3. Overlap", overlap), ("e2e", "4. End to end", e2e), ("kernel", "5. Kernel efficiency", kernel),
     ("vs_torch_cp", "6. Versus PyTorch's context_parallel", vs_torch), ("compile", "7. Compile time", compile_),
     ("error", "Exactness: error vs ring size", error),
+    ("doc_memory", "8. Memory with packed documents", doc_memory),
+    ("doc_balance", "9. Balance with packed documents", doc_balance),
 ]

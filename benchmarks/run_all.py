@@ -34,6 +34,8 @@ BENCHES: Dict[str, Tuple[str, List[str]]] = {
     "memory": ("bench_memory.py", ["--seq-lens", "1k,2k", "--llama-seq-lens", "1k", "--worlds", "1,2"]),
     "e2e": ("bench_e2e.py", ["--seq-len", "1024", "--steps", "2"]),
     "compile": ("bench_compile.py", ["--seq-len", "256"]),
+    "doc_memory": ("bench_doc_memory.py", ["--seq-lens", "4k", "--worlds", "1,2"]),
+    "doc_balance": ("bench_doc_balance.py", ["--quick"]),
 }
 
 
