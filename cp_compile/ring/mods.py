@@ -63,19 +63,40 @@ def _evaluate(fn: Callable, what: str, score: Tuple[Tensor, ...], idx: Tuple[Ten
               buffers: Tuple[Tensor, ...]) -> Tensor:
     """``fn(*score, b, h, q, kv, *buffers)`` on the (B, H, Lq, Lk) grid: by ``torch.vmap`` (FlexAttention's
     way), else by broadcasting the indices as (B,1,1,1), (1,H,1,1), (1,1,Lq,1), (1,1,1,Lk) (what
-    runs under a dispatch mode that cannot see through vmap's batched tensors)."""
+    runs under a dispatch mode that cannot see through vmap's batched tensors, and what a traced
+    GraphModule that asks a batched tensor ``is_contiguous`` needs). A function vmap failed on once
+    is broadcast first from then on, so each rectangle does not pay a failing vmap again."""
+    shaped = tuple(t.view([-1 if d == i else 1 for d in range(4)]) for i, t in enumerate(idx))
+    if _known_unvmappable(fn):
+        try:
+            return fn(*score, *shaped, *buffers)
+        except Exception:  # noqa: BLE001 - not broadcastable after all: vmap below decides
+            _BROADCAST_FIRST.discard(fn)
     try:
         return _vmap_bhqkv(fn, len(buffers), score=bool(score))(*score, *idx, *buffers)
     except Exception as vmap_error:  # noqa: BLE001 - retried by broadcasting, re-raised below if that fails too
-        shaped = tuple(t.view([-1 if d == i else 1 for d in range(4)]) for i, t in enumerate(idx))
         try:
-            return fn(*score, *shaped, *buffers)
+            out = fn(*score, *shaped, *buffers)
         except Exception:  # noqa: BLE001
             raise ValueError(
                 f"cp_compile: the {what} {getattr(fn, '__qualname__', fn)!r} failed on the ring's (b, h, q_idx, "
                 f"kv_idx) grid ({vmap_error}). Fix: write it as for FlexAttention, with torch operations on its "
                 "index tensors (no Python `if` on them, no .item()), and pass the tensors it reads as buffers."
             ) from vmap_error
+        if _known_unvmappable(fn) is False:
+            _BROADCAST_FIRST.add(fn)
+        return out
+
+
+_BROADCAST_FIRST: set = set()  # mods vmap could not run; registered mods live as long anyway
+
+
+def _known_unvmappable(fn: Callable) -> Optional[bool]:
+    """Whether vmap already failed on ``fn`` (None: ``fn`` is unhashable, so this is not remembered)."""
+    try:
+        return fn in _BROADCAST_FIRST
+    except TypeError:
+        return None
 
 
 def _indices(b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
