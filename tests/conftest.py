@@ -52,6 +52,7 @@ SLOW = {
     "test_determinism.py": {"test_compiled_model_bitwise_identical_across_runs_and_ranks"},
     "test_faults.py": {"test_backend_timeout_reaches_the_ring", "test_default_limit_is_the_process_group_timeout", "test_peer_exits_during_step_1_four_ranks", "test_peer_exits_during_step_1_two_ranks", "test_peer_raises_and_stays_alive_times_out"},
     "test_fuzz.py": {"test_fuzz_models_world_2", "test_fuzz_models_world_4"},
+    "test_flex_attention.py": {"test_flex_model_is_exact_and_ring_only", "test_reference_is_the_compiled_one_process_run", "test_return_lse_is_the_rings"},
     "test_hand_attention.py": {"test_hand_written_attention_becomes_the_ring"},
     "test_harness.py": {"test_all_reduce_sums_over_ranks", "test_dead_worker_is_reported_and_pool_recovers", "test_exception_names_rank_and_pool_recovers", "test_hang_times_out_and_pool_recovers"},
     "test_hf_models.py": {"test_hf_causal_lm_is_exact_on_two_ranks", "test_hf_gpt2_dynamic_lengths", "test_hf_gpt2_with_labels_across_a_graph_break", "test_hf_llama_on_four_ranks_with_padding", "test_hf_sliding_window_shorter_than_the_sequence"},

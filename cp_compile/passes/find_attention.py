@@ -1,7 +1,9 @@
-"""Pass 1: find every scaled_dot_product_attention and the sequence length S.
+"""Pass 1: find every scaled_dot_product_attention (and flex_attention) and the sequence length S.
 
-Before: a Dynamo graph. After: the same graph; ``ctx.attention`` lists the SDPA
-nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D));
+Before: a Dynamo graph. After: the same graph; ``ctx.attention`` lists the SDPA and
+FlexAttention nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D));
+a flex_attention node carries its parsed mods (:mod:`.find_flex`) and no longer reads its
+BlockMask, whose construction is erased (the ring evaluates the mask_mod per rectangle);
 ``ctx.masks`` says, for each attention given a mask, what the ring op makes of it:
 causal, full or a causal sliding window, and the terms it must apply as an explicit
 mask (:mod:`.masks`).
@@ -14,13 +16,16 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
+from .find_flex import drop_block_masks, is_flex, parse_flex
 from .masks.classify import classify_mask
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
 
 def is_sdpa(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in SDPA_TARGETS
+    """Whether ``node`` is attention the ring replaces: scaled_dot_product_attention, or FlexAttention's
+    higher-order op (q, k, v are its first three arguments too; its rule is rules/flex.py)."""
+    return node.op == "call_function" and (node.target in SDPA_TARGETS or is_flex(node))
 
 
 def sdpa_arg(node: fx.Node, index: int, name: str, default=None):
@@ -33,6 +38,15 @@ def sdpa_arg(node: fx.Node, index: int, name: str, default=None):
 def qkv_args(node: fx.Node) -> tuple:
     """(query, key, value) of an SDPA node."""
     return tuple(sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+
+
+def _check_flex(gm: fx.GraphModule, node: fx.Node, ctx: RewriteContext) -> int:
+    """S of a flex_attention node, after parsing its mods (refusing what the ring cannot honour)."""
+    seq = node.args[0].meta["example_value"].shape[2]
+    if isinstance(seq, torch.SymInt):
+        ctx.seq_sym = seq
+    parse_flex(gm, node)  # checks q/k/v shapes first
+    return global_shape(node.args[0])[2]
 
 
 def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
@@ -92,7 +106,10 @@ def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
 def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Fill ``ctx.attention`` and ``ctx.seq_len``; raise if there is nothing to parallelise."""
     ctx.attention = [n for n in gm.graph.nodes if is_sdpa(n)]
-    lens = {_check_supported(n, ctx) for n in ctx.attention}
+    lens = {_check_flex(gm, n, ctx) if is_flex(n) else _check_supported(n, ctx) for n in ctx.attention}
+    flex = [n for n in ctx.attention if is_flex(n)]
+    if flex:
+        drop_block_masks(gm, flex)
     if len(lens) > 1:
         raise CPRewriteError(
             f"cp_compile: attention calls use different sequence lengths {sorted(lens)} in one graph. "

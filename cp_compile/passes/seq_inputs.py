@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .context import CPRewriteError, RewriteContext, global_shape, log
-from .find_attention import is_sdpa, qkv_args, sdpa_arg
+from .find_attention import is_sdpa, qkv_args
 from .graph_inputs import input_kind, is_parameter_like, refuse_unknown, user_name  # noqa: F401 (re-exported)
 
 
@@ -48,14 +48,15 @@ def refuse_split_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[
 
 
 def _dataflow(gm: fx.GraphModule) -> nx.DiGraph:
-    """Value flow between nodes, except from an attention mask into its attention: a mask
-    input (``attention_mask``) decides what attends to what, it does not carry tokens,
-    even though it reaches the next layer's q/k/v through this layer's output."""
+    """Value flow between nodes, except from what enters an attention other than as q/k/v (an SDPA
+    ``attn_mask``; FlexAttention's block-mask tensors and mod buffers, e.g. document ids): it decides
+    what attends to what, it does not carry tokens, even though it reaches the next layer's q/k/v
+    through this layer's output. Such an input stays whole on every rank, where the ring op wants it."""
     g = nx.DiGraph()
     for n in gm.graph.nodes:
         g.add_node(n)
         for user in n.users:
-            if not (is_sdpa(user) and n is sdpa_arg(user, 3, "attn_mask") and n not in qkv_args(user)):
+            if not (is_sdpa(user) and n not in qkv_args(user)):
                 g.add_edge(n, user)
     return g
 

@@ -15,6 +15,7 @@ themselves live in the modules named in the first column).
 | size (reductions.py) | ``x.size()`` / ``x.size(d)`` (dynamic shapes) | Global: the global sizes, S along d |
 | reductions (reductions.py) | sum/mean over d | all-reduce -> Global (mean: / global count) |
 | attention (attention.py) | scaled_dot_product_attention on Sharded or whole q/k/v (whole: indexed by position) | ring_attention -> Sharded |
+| flex attention (flex.py) | torch.ops.higher_order.flex_attention: mask_mod / score_mod at global positions, their buffers whole | ring_attention(mods=...) -> (Sharded, Sharded, -) |
 | losses (attention.py) | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
 | anything else | per-token by its ATen decomposition (passes/oracle.py: erf, lerp, normalize(-1), ...) | as DTensor propagates |
 | what the oracle refuses | (token mixing: slices along d, roll, cumsum, conv, ...) | fallback: gather to Global, warn |
@@ -35,6 +36,7 @@ from .attention import attention_rule, loss_rules
 from .common import Rule, _key, _name
 from .complex import complex_rules
 from .einsum import einsum_rules
+from .flex import flex_rules
 from .getitem import getitem
 from .pointwise import POINTWISE_FUNCS, POINTWISE_METHODS, addmm, matmul, per_token, pointwise
 from .reductions import reduction, size
@@ -72,6 +74,7 @@ def _table() -> Dict[Any, Rule]:
     t.update(loss_rules())
     t.update(complex_rules())
     t.update(einsum_rules())
+    t.update(flex_rules())
     return t
 
 
