@@ -6,13 +6,15 @@ Public API (this module): the ``ring_cp`` torch.compile backend (:class:`RingCP`
 across a context-parallel group, options :class:`RingOptions`), and :func:`shard` /
 :func:`unshard` / :func:`positions` (the load-balanced sequence layouts), and
 :func:`doc_ids_from_cu_seqlens` / :func:`doc_ids_from_position_ids` (document ids of
-packed sequences, for ``ring_attention(doc_ids=...)``).
+packed sequences, for ``ring_attention(doc_ids=...)``) and :func:`layout_table` (a
+document-aware layout, for ``ring_attention(positions=...)`` and ``shard(positions=...)``).
 
 The package, one screen (docs/design.md explains each part)::
 
     cp_compile/
       options.py, errors.py      typed options (Literal choices) and the exceptions
       sequence.py, group.py      sequence layouts over ranks; resolving the CP group
+      doc_layout.py              a layout balanced over packed documents, and its work model
       step.py                    @context_parallel: a whole training step
       graph_ops.py               the collectives a rewritten graph calls (all-reduce, gather, ...)
       backend/                   what Dynamo calls: RingCP, rewrite_for_cp, the per-graph record,
@@ -30,8 +32,9 @@ from .options import RingOptions
 from .sequence import positions, shard, unshard
 from .ring import doc_ids_from_cu_seqlens, doc_ids_from_position_ids, ring_attention
 from .step import context_parallel
+from .doc_layout import layout_table
 
 __version__ = "0.1.0"
 
 __all__ = ["BackendOptions", "RingCP", "RingOptions", "context_parallel", "doc_ids_from_cu_seqlens",
-           "doc_ids_from_position_ids", "positions", "ring_attention", "shard", "unshard", "__version__"]
+           "doc_ids_from_position_ids", "layout_table", "positions", "ring_attention", "shard", "unshard", "__version__"]

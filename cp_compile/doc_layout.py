@@ -48,7 +48,8 @@ benchmark 2 counts them), :func:`step_tiles` (the same at kernel-tile granularit
 ``block_m`` x ``block_n`` tile of local rows costs its whole area if any pair in it is
 visible, as a tile-skipping kernel does), :func:`imbalance` (busiest / idlest) and
 :func:`sync_makespan` (sum over steps of the slowest rank: a synchronous ring).
-:func:`lengths_from_doc_ids` turns one row of the ring op's ``doc_ids`` into lengths.
+:func:`lengths_from_doc_ids` turns one row of the ring op's ``doc_ids`` into lengths, and
+:func:`layout_table` stacks a layout into the (N, S/N) table the ring takes as ``positions=``.
 """
 
 from __future__ import annotations
@@ -112,6 +113,27 @@ def document_positions(doc_lengths: Sequence[int], world_size: int, *, min_chunk
             return layout
         best = min(best, (span, layout), key=lambda x: x[0])
     return best[1]
+
+
+def layout_table(doc_lengths: "Sequence[int] | Tensor", world_size: int, *, min_chunk: Optional[int] = None,
+                 tolerance: float = 0.05) -> Tensor:
+    """(N, S/N) int64: :func:`document_positions` stacked, the table the ring takes as ``positions=``
+    (``cp_compile.ring_attention``, ``cp_compile.shard`` / ``unshard`` / ``positions``).
+
+    ``doc_lengths``: document lengths in sequence order, or a (B|1, S) integer ``doc_ids`` tensor.
+    One table serves the whole batch, so for B > 1 rows packed differently the documents are
+    the pieces between the union of every row's boundaries (exact for every row; balanced for
+    their common refinement). Build it on every rank from the same data: ranks must pass the
+    same table.
+    """
+    if isinstance(doc_lengths, Tensor) and doc_lengths.dim() == 2 and doc_lengths.shape[0] > 1:
+        ids = doc_lengths.cpu()
+        cut = (ids[:, 1:] != ids[:, :-1]).any(0)  # (S - 1,) a boundary in some row
+        doc_lengths = lengths_from_doc_ids(torch.cat([cut.new_zeros(1), cut]).long().cumsum(0))
+    elif isinstance(doc_lengths, Tensor):
+        doc_lengths = lengths_from_doc_ids(doc_lengths)
+    layout = document_positions(doc_lengths, world_size, min_chunk=min_chunk, tolerance=tolerance)
+    return torch.stack(layout)  # (N, S/N)
 
 
 def _build(lengths: List[int], world_size: int, min_chunk: int) -> List[Tensor]:

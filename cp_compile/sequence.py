@@ -9,6 +9,13 @@ A layout maps a sequence of ``S`` tokens onto ``N`` ranks, each holding
 | ``striped``  | tokens r, r+N, r+2N, ...                      | N                |
 | ``contiguous`` | tokens [r*c, (r+1)*c)                       | N                |
 
+A layout may also be given as a **table** of positions, computed per batch (e.g. the
+document-aware :func:`cp_compile.doc_layout.layout_table`): an (N, c) int64 tensor whose
+row r lists rank r's global positions, sorted increasing, the rows together a partition
+of range(N·c), the same whole tensor on every rank (:func:`check_table`). It replaces
+``load_balance`` wherever it is passed (``positions=table``). One table serves the whole
+batch: every batch row is laid out the same way.
+
 Public helpers: :func:`shard` (full tensor -> this rank's tokens), :func:`unshard`
 (all-gather + inverse permutation, differentiable) and :func:`positions` (global
 positions of this rank's tokens). ``group=None`` is the default process group, or a
@@ -17,7 +24,7 @@ single rank when torch.distributed is not initialised.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -62,10 +69,52 @@ def rank_positions(seq_len: int, world_size: int, rank: int, load_balance: str) 
     return torch.cat([first, second])
 
 
-def positions(seq_len: int, *, group: Any = None, load_balance: str = "zigzag") -> torch.Tensor:
-    """Global positions of this rank's tokens for a sequence of ``seq_len`` (LongTensor, shape (S/N,))."""
-    g = resolve_group(group)
-    return rank_positions(seq_len, g.size, g.rank, load_balance)
+def _table_error(what: str, fix: str) -> None:
+    raise ValueError(f"cp_compile: the positions table {what}. Fix: {fix}")
+
+
+_TABLE_FIX = ("build it with cp_compile.doc_layout.layout_table(doc_lengths, N) (one table serves the whole batch: "
+              "build it from the union of the rows' document boundaries, or use B = 1)")
+
+
+def check_table(table: Any, world_size: int, seq_len: Optional[int] = None) -> torch.Tensor:
+    """``table`` checked as a layout of ``seq_len`` (if given) tokens over ``world_size`` ranks: (N, c) int64,
+    rows sorted strictly increasing, together a partition of range(N·c). Returns it on the CPU."""
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.int64:
+        what = table.dtype if isinstance(table, torch.Tensor) else type(table).__name__
+        _table_error(f"must be an int64 tensor, got {what}", f"pass table.long(); {_TABLE_FIX}.")
+    if table.dim() != 2 or table.shape[0] != world_size or table.shape[1] == 0:
+        _table_error(f"has shape {tuple(table.shape)}; expected (N={world_size}, S/N): one row of global "
+                     "positions per rank of the group", f"pass the whole table (not table[rank]); {_TABLE_FIX}.")
+    n, c = table.shape
+    if seq_len is not None and n * c != seq_len:
+        _table_error(f"lays out {n * c} tokens but the sequence has {seq_len}",
+                     f"build the table for this sequence's length (pad it to a multiple of {n}); {_TABLE_FIX}.")
+    t = table.detach().cpu()
+    if c > 1 and not bool((t[:, 1:] > t[:, :-1]).all()):
+        _table_error("has a row that is not sorted strictly increasing (the ring needs each rank's tokens in "
+                     "global order)", "sort each row: table = table.sort(dim=1).values.")
+    flat = t.reshape(-1)
+    if int(flat.min()) < 0 or int(flat.max()) >= n * c or bool((torch.bincount(flat, minlength=n * c) != 1).any()):
+        _table_error(f"is not a partition of range({n * c}): some position is missing, repeated or out of range",
+                     f"give every position 0..{n * c - 1} to exactly one rank; {_TABLE_FIX}.")
+    return t
+
+
+def _rank_table_positions(seq_len: int, g: Any, load_balance: str, table: Optional[torch.Tensor]) -> torch.Tensor:
+    """This rank's positions: ``table[rank]`` (checked) if a table is given, else by ``load_balance``."""
+    if table is None:
+        return rank_positions(seq_len, g.size, g.rank, load_balance)
+    return check_table(table, g.size, seq_len)[g.rank]
+
+
+def positions(seq_len: int, *, group: Any = None, load_balance: str = "zigzag",
+              positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Global positions of this rank's tokens for a sequence of ``seq_len`` (LongTensor, shape (S/N,)).
+
+    ``positions``: an (N, S/N) table (module docstring): the result is its row for this rank.
+    """
+    return _rank_table_positions(seq_len, resolve_group(group), load_balance, positions)
 
 
 def _normalise_dim(x: torch.Tensor, dim: int) -> int:
@@ -74,36 +123,42 @@ def _normalise_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, dim: int, *, group: Any = None, load_balance: str = "zigzag") -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, *, group: Any = None, load_balance: str = "zigzag",
+          positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's tokens of the full tensor ``x`` along ``dim`` (differentiable).
 
     Every rank passes the same full tensor; the result has ``x.shape[dim] / N`` entries
-    along ``dim``, in increasing global order (see :func:`positions`).
+    along ``dim``, in increasing global order (see :func:`positions`). ``positions``: a
+    table (module docstring) in place of ``load_balance``.
     """
     dim = _normalise_dim(x, dim)
     g = resolve_group(group)
-    pos = rank_positions(x.shape[dim], g.size, g.rank, load_balance)
+    pos = _rank_table_positions(x.shape[dim], g, load_balance, positions)
     if g.size == 1:
         return x
     return x.index_select(dim, pos.to(x.device))
 
 
-def unshard(x_local: torch.Tensor, dim: int, *, group: Any = None, load_balance: str = "zigzag") -> torch.Tensor:
+def unshard(x_local: torch.Tensor, dim: int, *, group: Any = None, load_balance: str = "zigzag",
+            positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The full tensor on every rank from each rank's shard along ``dim`` (differentiable).
 
     All-gathers the shards (the backward is a reduce-scatter, so a loss computed on the
     full tensor gives each rank the gradient of its own shard) and undoes the layout's
-    permutation.
+    permutation (``positions``: a table, in place of ``load_balance``).
     """
     dim = _normalise_dim(x_local, dim)
     g = resolve_group(group)
+    seq_len = x_local.shape[dim] * g.size
+    if positions is not None:
+        order = check_table(positions, g.size, seq_len).reshape(-1)
+    elif g.size > 1:
+        order = torch.cat([rank_positions(seq_len, g.size, r, load_balance) for r in range(g.size)])
     if g.size == 1:
         return x_local
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
     # Gather along dim 0 (the one all functional-collective backends support), rank-major.
     gathered = all_gather_single_autograd(x_local.movedim(dim, 0).contiguous(), 0, g.pg)
-    seq_len = x_local.shape[dim] * g.size
-    order = torch.cat([rank_positions(seq_len, g.size, r, load_balance) for r in range(g.size)])
     inverse = torch.argsort(order).to(x_local.device)
     return gathered.index_select(0, inverse).movedim(0, dim).contiguous()  # like the full tensor it stands for

@@ -65,6 +65,7 @@ SLOW = {
     "test_ring_docs.py": {"test_documents_match_sdpa"},
     "test_ring_opcheck.py": {"test_ring_custom_ops_pass_opcheck"},
     "test_ring_mods.py": {"test_ring_op_with_mods_passes_opcheck", "test_traced_ring_attention_is_one_graph_and_exact"},
+    "test_ring_table.py": {"test_ring_op_with_table_passes_opcheck", "test_table_layout_matches_sdpa", "test_table_layout_on_triton"},
     "test_row_select.py": {"test_each_rank_computes_only_its_rows_of_the_pieces"},
     "test_schedule.py": {"test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits"},
     "test_step.py": {"test_twenty_decorated_steps_equal_single_process"},

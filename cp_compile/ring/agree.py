@@ -4,7 +4,9 @@ Ranks that pass different shapes or options to the ring would post transfers of
 different sizes or in different patterns: at best a transport error, at worst a hang
 or silently wrong numbers. So every call runs one small all-gather of its metadata
 (shapes, dtype, causal, scale, layout, rotation, kernel, padding, window, mask,
-document ids' shape and dtype, the mods' key, the mod buffers' shapes):
+document ids' shape and dtype, the mods' key, the mod buffers' shapes, the positions
+table's shape and a fingerprint of its bytes: a per-batch layout must be the same table
+on every rank):
 every rank then sees every rank's arguments, and if they differ *every* rank raises
 the same ``ValueError`` listing them, before any K/V moves.
 
@@ -39,7 +41,8 @@ _FIELDS: Tuple[Tuple[str, int], ...] = (
     ("q shape", 4), ("k shape", 4), ("v shape", 4), ("dtype", 1), ("causal", 1), ("scale", 1),
     ("load_balance", 1), ("rotate", 1), ("kernel", 1), ("padding (valid length)", 1),
     ("sliding window", 1), ("attn_mask given", 1), ("doc_ids shape", 2), ("doc_ids dtype", 1), ("mods key", 1),
-    ("mask_buffers shapes", 1), ("score_buffers shapes", 1),
+    ("mask_buffers shapes", 1), ("score_buffers shapes", 1), ("positions table shape", 2),
+    ("positions table", 1),
 )
 _NO_TENSOR = -1  # a shape slot when the tensor is not given
 
@@ -76,11 +79,22 @@ def _buffers_code(buffers: Optional[Sequence[Tensor]]) -> int:
     return _code(";".join(f"{tuple(t.shape)}{t.dtype}" for t in buffers))
 
 
+def _table_code(table: Optional[Tensor]) -> Tuple[int, int, int]:
+    """(rows, columns, crc32 of dtype and bytes) of a positions table, -1s when none is given.
+    One pass over N·c int64 (8 bytes a token), once per ring call."""
+    if table is None:
+        return (_NO_TENSOR,) * 3
+    shape = (tuple(table.shape) + (_NO_TENSOR,) * 2)[:2]
+    data = table.detach().to("cpu").contiguous()
+    return (*shape, zlib.crc32(data.reshape(-1).view(torch.uint8).numpy().tobytes(), _code(str(data.dtype))))
+
+
 def metadata(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, load_balance: str,
              rotate: str, kernel: str, valid_len: int, window: int = -1,
              attn_mask: Optional[Tensor] = None, *, doc_ids: Optional[Tensor] = None, mods: str = "",
              mask_buffers: Optional[Sequence[Tensor]] = None,
-             score_buffers: Optional[Sequence[Tensor]] = None) -> Tuple[int, ...]:
+             score_buffers: Optional[Sequence[Tensor]] = None,
+             positions: Optional[Tensor] = None) -> Tuple[int, ...]:
     """This call's arguments as a row of ints (see ``_FIELDS``)."""
     dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 100 + _code(str(q.dtype)) % 1000
     docs = (_NO_TENSOR, _NO_TENSOR, _NO_TENSOR) if doc_ids is None else (
@@ -89,7 +103,7 @@ def metadata(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, load_b
         *q.shape, *k.shape, *v.shape, dtype, int(bool(causal)), _scale_bits(scale),
         LOAD_BALANCES.index(load_balance), ROTATES.index(rotate), _code(kernel), int(valid_len),
         int(window), int(attn_mask is not None), *docs, _code(mods) if mods else _NO_TENSOR,
-        _buffers_code(mask_buffers), _buffers_code(score_buffers),
+        _buffers_code(mask_buffers), _buffers_code(score_buffers), *_table_code(positions),
     )
 
 
@@ -110,7 +124,7 @@ def _decode(name: str, vals: Sequence[int], own_kernel: str, own_code: int) -> A
         return ROTATES[x]
     if name == "kernel":
         return repr(own_kernel) if x == own_code else "another kernel"
-    if name == "doc_ids dtype" or name == "mods key" or name.endswith("buffers shapes"):
+    if name in ("doc_ids dtype", "mods key", "positions table") or name.endswith("buffers shapes"):
         return "none" if x == _NO_TENSOR else f"#{x:08x}"  # a code: equal codes, equal values
     return x
 
@@ -142,6 +156,7 @@ def check_same_call(meta: Tuple[int, ...], group: CPGroup, device: torch.device,
             "cp_compile.ring_attention: the ranks of the CP group called the ring op with different "
             f"arguments: {'; '.join(diffs)}. Fix: every rank must pass its own shard of the same global "
             "sequence (same batch, heads, head dim, length and dtype) and the same options (causal, scale, "
-            "load_balance, rotate, kernel, window, masks, doc_ids, mods); with the ring_cp backend or @context_parallel every rank passes "
-            "the same full batch."
+            "load_balance, rotate, kernel, window, masks, doc_ids, mods, and the same whole positions table, "
+            "e.g. built on every rank from the same document lengths); with the ring_cp backend or "
+            "@context_parallel every rank passes the same full batch."
         )

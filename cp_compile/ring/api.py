@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..group import resolve_group
 from ..options import RingOptions
 from ..kernels import get_kernel
-from ..sequence import check_seq_len
+from ..sequence import check_seq_len, check_table
 from .agree import check_device
 from .masking import additive_mask
 from .mods import register_mods
@@ -178,6 +178,7 @@ def ring_attention(
     score_mod: Optional[Callable[..., Tensor]] = None,
     mask_buffers: Optional[Sequence[Tensor]] = None,
     score_buffers: Optional[Sequence[Tensor]] = None,
+    positions: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence split across the ranks of a CP group.
 
@@ -210,6 +211,12 @@ def ring_attention(
             (True = attend) and ``score_mod(score, b, h, q_idx, kv_idx, *score_buffers)`` over
             GLOBAL positions (docs/kernels.md, "Documents and mods"); ``mask_buffers`` /
             ``score_buffers``: the tensors they read, whole, constants (no grad).
+        positions: a layout computed per batch, in place of ``load_balance``: an (N, S_local)
+            int64 table whose row r lists rank r's global positions, sorted, the rows a
+            partition of range(S), the same whole tensor on every rank (e.g.
+            ``cp_compile.doc_layout.layout_table(doc_lengths, N)``, balanced for packed
+            documents); shard q, k, v with ``cp_compile.shard(x, 2, positions=table)``. One table
+            serves the whole batch (docs/api.md, "A layout computed per batch").
         timeout: seconds each wait for a peer may take before the op raises
             ``cp_compile.ring.faults.RingCommError`` naming the peer, ring step and
             direction; None (default): the process group's own timeout.
@@ -223,7 +230,10 @@ def ring_attention(
     window = _check_window(window, causal)  # -1: none
     opts = RingOptions(load_balance=load_balance, rotate=rotate, kernel=kernel, timeout=timeout)
     g = resolve_group(group)
-    check_seq_len(q.shape[2] * g.size, g.size, opts.load_balance)
+    if positions is None:
+        check_seq_len(q.shape[2] * g.size, g.size, opts.load_balance)
+    elif not torch.compiler.is_compiling():  # traced: the op checks it when it runs
+        positions = check_table(positions, g.size, q.shape[2] * g.size)  # (N, c) int64 on the CPU
     if not torch.compiler.is_compiling():  # traced: the op checks it when it runs
         check_device(g, q.device)  # a device the group cannot move: fail here, on every rank
     kern = get_kernel(opts.kernel, q.device, q.dtype)  # unknown or unsupported kernel: fail here, on every rank
@@ -239,6 +249,6 @@ def ring_attention(
     out, _ = torch.ops.cp_compile.ring_attention_fwd(
         q, k, v, bool(causal), scale, g.name, opts.load_balance, opts.rotate, opts.kernel,
         timeout=opts.timeout or -1.0, window=window, attn_mask=mask, doc_ids=docs, mods=mods,
-        mask_buffers=mb or None, score_buffers=sb or None,
+        mask_buffers=mb or None, score_buffers=sb or None, positions=positions,
     )
     return out

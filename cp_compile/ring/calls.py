@@ -24,7 +24,7 @@ import torch
 from ..group import CPGroup
 from .docs import DocIndex, doc_rectangles
 from .masking import BlockPositions, MaskSpec, mod_positions, rule_mask, segment_call
-from .plan import ALL, Segment, step_segments
+from .plan import ALL, Segment
 
 Tensor = torch.Tensor
 
@@ -69,14 +69,14 @@ def _score_fn(spec: MaskSpec, seg: Segment, pos: BlockPositions, rank: int, src:
     return lambda s: mods.scores(s, qp, kp)
 
 
-def step_calls(spec: MaskSpec, docs: Optional[DocIndex], load_balance: str, causal: bool, group: CPGroup,
+def step_calls(spec: MaskSpec, docs: Optional[DocIndex], causal: bool, group: CPGroup,
                src: int, c: int, valid_len: int, pos: BlockPositions, dims: Tuple[int, int]) -> Iterator[Call]:
     """Every kernel call of this rank's queries against block ``src`` (see the module docstring).
 
-    ``valid_len`` >= 0: global positions from there on are padding; ``dims``: (B, H) of q.
+    ``valid_len`` >= 0: global positions from there on are padding; ``dims``: (B, H) of q. The plan is
+    ``pos.segments`` (by layout, or by positions when ``pos`` holds a table).
     """
-    valid = pos.valid_keys(src, valid_len)
-    for seg in step_segments(load_balance, causal, group.size, group.rank, src, c, valid):
+    for seg in pos.segments(causal, src, valid_len):
         if spec.per_rectangle_mask:
             mask = rule_mask(spec, docs, seg, pos, group.rank, src, dims, valid_len)
             if mask is not None:

@@ -31,7 +31,6 @@ import torch
 from ..group import CPGroup
 from .comm import GradSink, kv_blocks
 from .masking import BlockPositions, MaskSpec, any_visible
-from .plan import step_segments
 
 Tensor = torch.Tensor
 NO_LIMIT = 2**31 - 1  # no padding: every key position is below this
@@ -94,12 +93,12 @@ def _shared_document(q_doc: Tensor, k_doc: Tensor, q_pos: Tensor, k_pos: Tensor,
     return bool(seen.any())
 
 
-def _step_runs(load_balance: str, causal: bool, group: CPGroup, src: int, c: int, valid_len: int,
-               pos: BlockPositions, window: int, docs: Optional[BlockDocs] = None) -> bool:
+def _step_runs(causal: bool, group: CPGroup, src: int, valid_len: int, pos: BlockPositions, window: int,
+               docs: Optional[BlockDocs] = None) -> bool:
     """Whether any (query, key) pair of the step against block ``src`` may be visible (exact but for
-    a window together with documents, where a step may run and find nothing)."""
-    valid = pos.valid_keys(src, valid_len)
-    if not step_segments(load_balance, causal, group.size, group.rank, src, c, valid):
+    a window together with documents, where a step may run and find nothing). The plan is
+    ``pos.segments``: by layout, or by positions for a table."""
+    if not pos.segments(causal, src, valid_len):
         return False
     if window > 0 and not any_visible(pos.cpu(group.rank), pos.cpu(src), window):
         return False
@@ -139,15 +138,15 @@ def _doc_kw(docs: Optional[BlockDocs], rank: int, src: int) -> dict:
 
 def ring_forward_fused(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, group: CPGroup,
                        load_balance: str, rotate: str, kernel, valid_len: int = -1,
-                       spec: MaskSpec = MaskSpec()) -> Tuple[Tensor, Tensor]:
+                       spec: MaskSpec = MaskSpec(), positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out (B, H, c, D) in q.dtype, lse (B, H, c) fp32); arguments as :func:`.loops.ring_forward`."""
     c, window = q.shape[2], _window(spec)
-    pos = BlockPositions(c, group, load_balance, q.device)
+    pos = BlockPositions(c, group, load_balance, q.device, positions)
     limit = valid_len if valid_len >= 0 else NO_LIMIT
     docs = _block_docs(spec, kernel, pos, q.shape[0], valid_len)
     state = kernel.new_state(q)
     for _, src, k_src, v_src in kv_blocks(k, v, group, rotate):
-        if _step_runs(load_balance, causal, group, src, c, valid_len, pos, spec.window, docs):
+        if _step_runs(causal, group, src, valid_len, pos, spec.window, docs):
             kernel.forward_step(q, k_src, v_src, state, pos(group.rank), pos(src), causal=causal, scale=scale,
                                 kv_limit=limit, window=window, **_doc_kw(docs, group.rank, src))
     return kernel.finalize(state, q.dtype)
@@ -155,10 +154,11 @@ def ring_forward_fused(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: 
 
 def ring_backward_fused(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                         causal: bool, scale: float, group: CPGroup, load_balance: str, rotate: str, kernel,
-                        valid_len: int = -1, spec: MaskSpec = MaskSpec()) -> Tuple[Tensor, Tensor, Tensor]:
+                        valid_len: int = -1, spec: MaskSpec = MaskSpec(),
+                        positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this rank's shards in their input dtypes; arguments as :func:`.loops.ring_backward`."""
     c, window = q.shape[2], _window(spec)
-    pos = BlockPositions(c, group, load_balance, q.device)
+    pos = BlockPositions(c, group, load_balance, q.device, positions)
     limit = valid_len if valid_len >= 0 else NO_LIMIT
     docs = _block_docs(spec, kernel, pos, q.shape[0], valid_len)
     dlt = kernel.delta(dout, out)  # (B, H, c) fp32
@@ -166,7 +166,7 @@ def ring_backward_fused(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, c, D), stays local
     sink = GradSink(k, torch.float32, group, rotate)
     for step, src, k_src, v_src in kv_blocks(k, v, group, rotate):
-        if not _step_runs(load_balance, causal, group, src, c, valid_len, pos, spec.window, docs):
+        if not _step_runs(causal, group, src, valid_len, pos, spec.window, docs):
             sink.add(step, src, None, None)
             continue
         dk_src = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # (B, H_kv, c, D)

@@ -108,21 +108,24 @@ def ring_forward(
     kernel: BlockKernel,
     valid_len: int = -1,
     spec: MaskSpec = MaskSpec(),
+    positions: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """(out, lse) of this rank's queries over the whole sequence.
 
     q: (B, H, c, D); k, v: (B, H_kv, c, D) -> out (B, H, c, D) in q.dtype,
-    lse (B, H, c) float32 (float64 for float64 inputs).
+    lse (B, H, c) float32 (float64 for float64 inputs). ``positions``: (N, c) int64 table of
+    every rank's global positions (checked by the caller), in place of ``load_balance``.
     """
     if getattr(kernel, "fuses_merge", False):
         return ring_forward_fused(q, k, v, causal=causal, scale=scale, group=group, load_balance=load_balance,
-                                  rotate=rotate, kernel=kernel, valid_len=valid_len, spec=spec)
+                                  rotate=rotate, kernel=kernel, valid_len=valid_len, spec=spec, positions=positions)
     c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
-    pos, docs = BlockPositions(c, group, load_balance, q.device), _doc_index(spec, c * group.size, valid_len, q.shape[0])
+    pos = BlockPositions(c, group, load_balance, q.device, positions)
+    docs = _doc_index(spec, c * group.size, valid_len, q.shape[0])
     acc_out: Optional[Tensor] = None  # (B, H, c, D) acc_dt
     acc_lse: Optional[Tensor] = None  # (B, H, c) acc_dt
     for _, src, k_src, v_src in kv_blocks(k, v, group, rotate):
-        for call in step_calls(spec, docs, load_balance, causal, group, src, c, valid_len, pos, q.shape[:2]):
+        for call in step_calls(spec, docs, causal, group, src, c, valid_len, pos, q.shape[:2]):
             out, lse = _forward_call(kernel, call, q, k_src, v_src, scale)
             if acc_out is None and call.q == ALL and call.b == ALL:  # the first full-row result is the accumulator
                 acc_out, acc_lse = out.to(acc_dt).contiguous(), lse.to(acc_dt).contiguous()
@@ -151,17 +154,20 @@ def ring_backward(
     kernel: BlockKernel,
     valid_len: int = -1,
     spec: MaskSpec = MaskSpec(),
+    positions: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this rank's shards, each in its input's dtype.
 
-    dout, q, out: (B, H, c, D); k, v: (B, H_kv, c, D); lse: (B, H, c), the global one.
+    dout, q, out: (B, H, c, D); k, v: (B, H_kv, c, D); lse: (B, H, c), the global one;
+    ``positions`` as in :func:`ring_forward`.
     """
     if getattr(kernel, "fuses_merge", False):
         return ring_backward_fused(dout, q, k, v, out, lse, causal=causal, scale=scale, group=group,
                                    load_balance=load_balance, rotate=rotate, kernel=kernel, valid_len=valid_len,
-                                   spec=spec)
+                                   spec=spec, positions=positions)
     c, acc_dt = q.shape[2], accumulator_dtype(q.dtype)
-    pos, docs = BlockPositions(c, group, load_balance, q.device), _doc_index(spec, c * group.size, valid_len, q.shape[0])
+    pos = BlockPositions(c, group, load_balance, q.device, positions)
+    docs = _doc_index(spec, c * group.size, valid_len, q.shape[0])
     if spec.active:  # rows that see no key at all: any finite lse gives P = 0 (and no NaN)
         lse = lse.masked_fill(torch.isneginf(lse), 0.0)
     dq = torch.zeros(q.shape, dtype=acc_dt, device=q.device)  # (B, H, c, D), stays local
@@ -169,7 +175,7 @@ def ring_backward(
     for step, src, k_src, v_src in kv_blocks(k, v, group, rotate):
         dk_src: Optional[Tensor] = None  # this rank's share of block src's dK (B, H_kv, c, D)
         dv_src: Optional[Tensor] = None
-        for call in step_calls(spec, docs, load_balance, causal, group, src, c, valid_len, pos, q.shape[:2]):
+        for call in step_calls(spec, docs, causal, group, src, c, valid_len, pos, q.shape[:2]):
             dq_s, dk_s, dv_s = _backward_call(kernel, call, dout, q, k_src, v_src, out, lse, scale)
             dq[call.b, :, call.q] += dq_s
             dk_src = _accumulate(dk_src, call, dk_s, k, acc_dt)

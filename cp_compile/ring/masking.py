@@ -39,7 +39,7 @@ from ..group import CPGroup
 from ..sequence import rank_positions
 from .docs import DocIndex
 from .mods import Mods
-from .plan import Segment
+from .plan import Segment, step_segments, table_segments
 
 Tensor = torch.Tensor
 MASKED_BELOW = -1e30  # additive mask values at or below this count as "masked" (HF uses finfo.min)
@@ -47,21 +47,36 @@ MASKED_BELOW = -1e30  # additive mask values at or below this count as "masked" 
 
 class BlockPositions:
     """Global positions of every rank's block, computed once per call: ``pos(rank)`` on the
-    device (int32, for kernels and mask indexing), ``pos.cpu(rank)`` int64 on the CPU."""
+    device (int32, for kernels and mask indexing), ``pos.cpu(rank)`` int64 on the CPU.
 
-    def __init__(self, c: int, group: CPGroup, load_balance: str, device: torch.device) -> None:
+    ``table``: (N, c) int64, row r = rank r's sorted positions (a layout computed per batch,
+    :func:`cp_compile.sequence.check_table`); it replaces ``load_balance`` and the plan then
+    follows the positions (:func:`.plan.table_segments`)."""
+
+    def __init__(self, c: int, group: CPGroup, load_balance: str, device: torch.device,
+                 table: Optional[Tensor] = None) -> None:
         self.c, self.group, self.load_balance, self.device = c, group, load_balance, device
+        self.table = None if table is None else table.detach().to("cpu", torch.int64)  # (N, c)
         self._cpu: dict = {}
         self._dev: dict = {}
 
     def cpu(self, rank: int) -> Tensor:
         if rank not in self._cpu:
-            self._cpu[rank] = rank_positions(self.c * self.group.size, self.group.size, rank, self.load_balance)
+            self._cpu[rank] = (rank_positions(self.c * self.group.size, self.group.size, rank, self.load_balance)
+                               if self.table is None else self.table[rank].contiguous())
         return self._cpu[rank]  # (c,) int64
 
     def valid_keys(self, rank: int, valid_len: int) -> "int | None":
         """How many of ``rank``'s keys lie before ``valid_len`` (None: no padding, ``valid_len`` < 0)."""
         return None if valid_len < 0 else int((self.cpu(rank) < valid_len).sum())
+
+    def segments(self, causal: bool, src: int, valid_len: int) -> Tuple[Segment, ...]:
+        """The plan's rectangles of this rank's queries against block ``src``: by layout, or by
+        positions when a table is given."""
+        valid, rank = self.valid_keys(src, valid_len), self.group.rank
+        if self.table is None:
+            return step_segments(self.load_balance, causal, self.group.size, rank, src, self.c, valid)
+        return table_segments(causal, rank, src, self.cpu(rank), self.cpu(src), valid)
 
     def __call__(self, rank: int) -> Tensor:
         if rank not in self._dev:

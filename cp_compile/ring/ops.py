@@ -19,6 +19,7 @@ import torch
 
 from ..group import group_by_name
 from ..kernels import get_kernel
+from ..sequence import check_table
 from .agree import check_device, check_same_call, metadata
 from .faults import RingGroup
 from .loops import ring_backward, ring_forward
@@ -35,6 +36,11 @@ def _spec(window: int, attn_mask: Optional[Tensor], doc_ids: Optional[Tensor], m
     return MaskSpec(window, attn_mask, doc_ids, entry)
 
 
+def _table(positions: Optional[Tensor], world_size: int, c: int) -> Optional[Tensor]:
+    """The positions table checked (the same on every rank by then: :mod:`.agree` compares fingerprints)."""
+    return None if positions is None else check_table(positions, world_size, world_size * c)
+
+
 def _run_options(group_name: str, kernel: str, q: Tensor, timeout: float, phase: str) -> dict:
     """The group (with its wait limit and phase, see :class:`.faults.RingGroup`) and the kernel."""
     g = group_by_name(group_name)
@@ -45,7 +51,7 @@ def _run_options(group_name: str, kernel: str, q: Tensor, timeout: float, phase:
 
 # Explicit schemas: ``Optional[List[Tensor]]`` (``Tensor[]?``) is not inferred from annotations.
 _OPTIONAL = ("int valid_len=-1, float timeout=-1., int window=-1, Tensor? attn_mask=None, Tensor? doc_ids=None, "
-             "str mods=\"\", Tensor[]? mask_buffers=None, Tensor[]? score_buffers=None")
+             "str mods=\"\", Tensor[]? mask_buffers=None, Tensor[]? score_buffers=None, Tensor? positions=None")
 _FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, str group_name, str load_balance, str rotate, "
                f"str kernel, {_OPTIONAL}) -> (Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale, "
@@ -58,6 +64,7 @@ def ring_attention_fwd(
     group_name: str, load_balance: str, rotate: str, kernel: str, valid_len: int = -1, timeout: float = -1.0,
     window: int = -1, attn_mask: Optional[Tensor] = None, doc_ids: Optional[Tensor] = None, mods: str = "",
     mask_buffers: Optional[List[Tensor]] = None, score_buffers: Optional[List[Tensor]] = None,
+    positions: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Exact attention of local q over the CP group's whole K/V: (out, lse (B, H, c) fp32).
 
@@ -67,20 +74,24 @@ def ring_attention_fwd(
     additive float32 mask, (B|1, H|1, c, N·c) (see :mod:`.masking`). ``doc_ids``: (B|1, N·c)
     integer document ids over the whole sequence (:mod:`.docs`); ``mods``: a key from
     :func:`.mods.register_mods`, whose mask_mod / score_mod read ``mask_buffers`` /
-    ``score_buffers`` (whole tensors, constants)."""
+    ``score_buffers`` (whole tensors, constants). ``positions``: an (N, c) int64 table, row r =
+    rank r's sorted global positions (the same whole tensor on every rank), in place of
+    ``load_balance`` (:func:`cp_compile.sequence.check_table`)."""
     opts = _run_options(group_name, kernel, q, timeout, "forward")
     meta = metadata(q, k, v, causal, scale, load_balance, rotate, opts["kernel"].name, valid_len, window,
-                    attn_mask, doc_ids=doc_ids, mods=mods, mask_buffers=mask_buffers, score_buffers=score_buffers)
-    check_same_call(meta, opts["group"], q.device, opts["kernel"].name)
+                    attn_mask, doc_ids=doc_ids, mods=mods, mask_buffers=mask_buffers, score_buffers=score_buffers,
+                    positions=positions)
+    check_same_call(meta, opts["group"], q.device, opts["kernel"].name)  # then every rank checks the same table
     return ring_forward(
         q, k, v, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate, valid_len=valid_len,
-        spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers), **opts
+        spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers),
+        positions=_table(positions, opts["group"].size, q.shape[2]), **opts
     )
 
 
 @ring_attention_fwd.register_fake
 def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1, timeout=-1.0, window=-1,
-      attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None):
+      attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None, positions=None):
     # The real op returns fresh contiguous tensors whatever the input strides.
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype)
@@ -92,24 +103,26 @@ def ring_attention_bwd(
     scale: float, group_name: str, load_balance: str, rotate: str, kernel: str, valid_len: int = -1,
     timeout: float = -1.0, window: int = -1, attn_mask: Optional[Tensor] = None, doc_ids: Optional[Tensor] = None,
     mods: str = "", mask_buffers: Optional[List[Tensor]] = None, score_buffers: Optional[List[Tensor]] = None,
+    positions: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries."""
     opts = _run_options(group_name, kernel, q, timeout, "backward")
     return ring_backward(
         dout, q, k, v, out, lse, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate,
-        valid_len=valid_len, spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers), **opts,
+        valid_len=valid_len, spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers),
+        positions=_table(positions, opts["group"].size, q.shape[2]), **opts,
     )
 
 
 @ring_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1, timeout=-1.0,
-      window=-1, attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None):
+      window=-1, attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None, positions=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, like the real op
 
 
 _OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "kernel", "valid_len", "timeout",
                  "window")  # then the tensor arguments below, and mods between them
-_DEFAULTS = (-1, -1.0, -1, None, None, "", None, None)  # valid_len .. score_buffers
+_DEFAULTS = (-1, -1.0, -1, None, None, "", None, None, None)  # valid_len .. positions
 
 
 def _refuse_learned_buffers(buffers: Sequence[Tensor]) -> None:
@@ -127,27 +140,27 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tens
     n_plain = len(_OPTION_NAMES)
     options = list(options) + list(_DEFAULTS[len(options) - 6:])  # the defaults of arguments not passed
     ctx.n_inputs = _n_inputs(options)
-    attn_mask, doc_ids, mods, mask_buffers, score_buffers = options[n_plain:n_plain + 5]
+    attn_mask, doc_ids, mods, mask_buffers, score_buffers, positions = options[n_plain:n_plain + 6]
     ctx.list_grads = [None if b is None else [None] * len(b) for b in (mask_buffers, score_buffers)]
     mask_buffers, score_buffers = list(mask_buffers or ()), list(score_buffers or ())
     _refuse_learned_buffers(mask_buffers + score_buffers)
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, doc_ids, *mask_buffers, *score_buffers)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, doc_ids, positions, *mask_buffers, *score_buffers)
     ctx.options = dict(zip(_OPTION_NAMES, options))
     ctx.mods, ctx.n_mask_buffers = mods, len(mask_buffers)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx: Any, dout: Tensor, _dlse: Any):
-    q, k, v, out, lse, attn_mask, doc_ids, *buffers = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, doc_ids, positions, *buffers = ctx.saved_tensors
     o, n = ctx.options, ctx.n_mask_buffers
     dq, dk, dv = ring_attention_bwd(
         dout.contiguous(), q, k, v, out, lse, o["causal"], o["scale"], o["group_name"],
         o["load_balance"], o["rotate"], o["kernel"], o["valid_len"], o["timeout"], o["window"], attn_mask,
-        doc_ids, ctx.mods, buffers[:n] or None, buffers[n:] or None,
+        doc_ids, ctx.mods, buffers[:n] or None, buffers[n:] or None, positions,
     )
     # No gradient for the other inputs: None each, [None] * n for a list of n buffers, and one entry per
     # input the dispatcher handed over: it drops trailing arguments equal to their defaults.
-    grads = (dq, dk, dv, *(None,) * (len(_OPTION_NAMES) + 3), *ctx.list_grads)
+    grads = (dq, dk, dv, *(None,) * (len(_OPTION_NAMES) + 3), *ctx.list_grads, None)  # the last: positions
     return grads[:ctx.n_inputs]
 
 
