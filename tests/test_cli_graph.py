@@ -360,27 +360,27 @@ def packed_with_cache(seq_len=64):   # the KV cache makes Hugging Face ignore pa
 
 
 @pytest.mark.parametrize("world,seq_len", [(2, 64), (4, 60)])
-def test_explain_hf_llama_packed_documents_states_the_explicit_mask(tmp_path, capsys, world, seq_len):
+def test_explain_hf_llama_packed_documents_states_the_document_ids(tmp_path, capsys, world, seq_len):
     """HF Llama called with keywords, position_ids restarting at each document and use_cache=False:
-    HF builds a packed-document mask, so each ring op gets an explicit (B, 1, c, S_pad) float32
-    attn_mask (its rows only; S = 60 on 4 ranks pads to 64, c = 16). explain states that form and
-    its per-rank shape and bytes, the ones of the ring op's attn_mask in the rewritten graph."""
+    HF builds a packed-document mask, whose document term becomes the ring op's ``doc_ids``: the
+    whole (B, S) ids, int64, on every rank (S = 60 on 4 ranks pads to 64; the ids cover the 60
+    real positions), and no attn_mask. explain states that form and its per-rank bytes, the ones
+    of the ring op's doc_ids in the rewritten graph (cp_compile/backend/record.py)."""
     pytest.importorskip("transformers")
     path = tmp_path / "hf_packed.py"
     path.write_text(HF_PACKED)
     model, args, kwargs = load_target(f"{path}:packed", seq_len=seq_len)
     report = inspect(model, args, world_size=world, example_kwargs=kwargs)
-    B, S_pad = 2, -(-seq_len // (2 * world)) * 2 * world
-    c = S_pad // world
+    B = 2
     rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
-    runtime = [n.kwargs["attn_mask"].meta["val"] for n in rings]  # what the ring ops are given
-    assert [(tuple(m.shape), m.dtype) for m in runtime] == [((B, 1, c, S_pad), torch.float32)] * 2
+    given = [("attn_mask" in n.kwargs, tuple(n.kwargs["doc_ids"].meta["val"].shape)) for n in rings]
+    assert given == [(False, (B, seq_len))] * 2, given  # what the ring ops are given
     code, out, err = run(["explain", f"{path}:packed", "--world-size", str(world), "--seq-len", str(seq_len)], capsys)
     assert code == 0, err
-    lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("mask:")]
-    form = f"mask: explicit attn_mask ({B}, 1, {c}, {S_pad}) float32 per rank, {B * c * S_pad * 4:,} B"
-    assert len(lines) == 2 and all(ln.startswith(form) for ln in lines), lines
-    assert "this rank's query rows over all keys" in lines[0] and "the same tensor as attn_output's" in lines[1]
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("mask")]
+    size = "1.0 KiB" if B * seq_len * 8 == 1024 else f"{B * seq_len * 8} B"
+    form = f"mask form: causal + documents; per rank: doc_ids ({B}, {seq_len}) int64 {size}"
+    assert lines == ["mask: causal by position, documents by their ids (no mask tensor)", form] * 2, lines
 
 
 def test_explain_hf_llama_with_cache_still_prints_every_mask(tmp_path, capsys):

@@ -5,6 +5,14 @@ Dynamo hands over, rewritten or not; the backend keeps them (``RingCP.records``)
 ``cp-compile explain`` prints the one of its graph, so the tool and the runtime cannot
 disagree about what a model gets. A graph with attention but little of its activation
 memory sharded is logged as a WARNING (once per attention line).
+
+``masks`` says, for each ring op of the rewritten graph (in the order of ``attention``), the
+form of its mask and the bytes each rank holds for it, read off the op's arguments (so any
+rule that emits the ring op is described alike)::
+
+    causal + documents; per rank: doc_ids (2, 4096) int64 64.0 KiB
+    causal + window 16 + explicit; per rank: attn_mask (2, 1, 1, 4096) float32 32.0 KiB
+    mask_mod + score_mod; per rank: mask_buffers 16.0 KiB, score_buffers 16 B
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
-from .cost import activation_bytes
+from .cost import activation_bytes, stored_bytes, to_int
 from ..passes.context import RewriteContext, source_line
 from ..passes.graph_inputs import user_name
 
@@ -42,6 +50,7 @@ class GraphRecord:
     whole_inputs: List[str] = field(default_factory=list)  # no attention, yet sequence-long inputs (runtime only)
     act_bytes_local: int = 0  # every intermediate tensor of the rewritten graph, this rank
     act_bytes_global: int = 0  # the same for the original graph on one device
+    masks: List[str] = field(default_factory=list)  # per ring op: its mask form and per-rank bytes (mask_forms)
 
     @property
     def sharded_fraction(self) -> float:
@@ -80,11 +89,83 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
         return rec
     fwd = torch.ops.cp_compile.ring_attention_fwd.default
     rec.rings = sum(n.target is fwd for n in after.graph.nodes)
+    rec.masks = mask_forms(after)
     rec.act_bytes_local = activation_bytes(after, "val")
     if rec.act_bytes_local == 0:  # no per-rank fake values (repropagate could not run): unknown
         rec.act_bytes_local = rec.act_bytes_global
     _warn_if_low(rec)
     return rec
+
+
+def _ring_args(node: fx.Node) -> Dict[str, object]:
+    """The arguments of a ring_attention_fwd node by name (positional or keyword; defaults left out)."""
+    names = [a.name for a in torch.ops.cp_compile.ring_attention_fwd.default._schema.arguments]
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _tensor_cost(name: str, arg: object) -> Tuple[str, int]:
+    """``"name (shape) dtype bytes"`` of a tensor argument (its per-rank fake value), and the bytes."""
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return f"{name} (size unknown)", 0
+    n = stored_bytes(val)
+    shape = tuple(to_int(d) for d in val.shape)
+    return f"{name} {shape} {str(val.dtype).removeprefix('torch.')} {_human(n)}", n
+
+
+def mask_form(node: fx.Node) -> str:
+    """One ring op's mask: ``causal`` / ``window W`` / ``documents`` / ``explicit`` / ``mask_mod`` /
+    ``score_mod`` joined by ``+`` (``full`` when none), and what each rank holds for it."""
+    a = _ring_args(node)
+    form = ["causal"] if a.get("causal") else []
+    if isinstance(a.get("window"), int) and a["window"] > 0:
+        form.append(f"window {a['window']}")
+    costs = []
+    if a.get("doc_ids") is not None:
+        form.append("documents")
+        costs.append(_tensor_cost("doc_ids", a["doc_ids"]))
+    if a.get("attn_mask") is not None:
+        form.append("explicit")
+        costs.append(_tensor_cost("attn_mask", a["attn_mask"]))
+    if a.get("mods"):
+        form += _mod_names(str(a["mods"]))
+    for key in ("mask_buffers", "score_buffers"):
+        bufs = [b for b in (a.get(key) or []) if b is not None]
+        if bufs:
+            n = sum(_tensor_cost(key, b)[1] for b in bufs)
+            costs.append((f"{key} {len(bufs)} tensor(s) {_human(n)}", n))
+    held = "; per rank: " + ", ".join(c for c, _ in costs) if costs else "; per rank: no mask tensor"
+    total = f" (total {_human(sum(n for _, n in costs))})" if len(costs) > 1 else ""
+    return " + ".join(form or ["full"]) + held + total
+
+
+def _mod_names(key: str) -> List[str]:
+    """``mask_mod`` / ``score_mod`` (with the function's name) of a registered mods key."""
+    try:
+        from ..ring.mods import lookup
+
+        mods = lookup(key)
+    except Exception:  # an unknown key: the op would refuse it at run time
+        return [f"mods {key}"]
+    out = []
+    for kind in ("mask_mod", "score_mod"):
+        fn = getattr(mods, kind, None)
+        if fn is not None:
+            out.append(f"{kind} {getattr(fn, '__name__', type(fn).__name__)}")
+    return out
+
+
+def mask_forms(after: fx.GraphModule) -> List[str]:
+    """:func:`mask_form` of every ring op of ``after``, in graph order."""
+    fwd = torch.ops.cp_compile.ring_attention_fwd.default
+    return [mask_form(n) for n in after.graph.nodes if n.op == "call_function" and n.target is fwd]
 
 
 def _one_device_bytes(before: fx.GraphModule, ctx: RewriteContext) -> int:

@@ -10,7 +10,9 @@
 2. :mod:`.find_attention` — the attention nodes and the sequence length S; a mask is
    split into what the ring op does by position (causal, full, a sliding window; also
    read from constant buffers, :mod:`.masks.buffers`) and explicit terms (:mod:`.masks.classify`,
-   :mod:`.masks.index`), whose rows the attention rule builds per rank (:mod:`.masks.rows`).
+   :mod:`.masks.index`), whose rows the attention rule builds per rank (:mod:`.masks.rows`);
+   FlexAttention nodes are parsed by :mod:`.find_flex` (mods and buffers; the BlockMask's
+   construction, which the ring does not need, is erased).
    No attention: :mod:`.unsplit` warns about attention it cannot split, and the graph is
    compiled unchanged (under ``grad_sync="none"`` :mod:`.grad_share` scales its parameter
    gradients to this rank's 1/N share);

@@ -50,7 +50,7 @@ def _run_options(group_name: str, kernel: str, q: Tensor, timeout: float, phase:
 
 
 # Explicit schemas: ``Optional[List[Tensor]]`` (``Tensor[]?``) is not inferred from annotations.
-_OPTIONAL = ("int valid_len=-1, float timeout=-1., int window=-1, Tensor? attn_mask=None, Tensor? doc_ids=None, "
+_OPTIONAL = ("SymInt valid_len=-1, float timeout=-1., int window=-1, Tensor? attn_mask=None, Tensor? doc_ids=None, "
              "str mods=\"\", Tensor[]? mask_buffers=None, Tensor[]? score_buffers=None, Tensor? positions=None")
 _FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, str group_name, str load_balance, str rotate, "
                f"str kernel, {_OPTIONAL}) -> (Tensor, Tensor)")

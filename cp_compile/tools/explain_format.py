@@ -19,10 +19,16 @@ def human(n: int) -> str:
     return f"{n:,} B"
 
 
-def describe_mask(m: RingMask) -> str:
-    """What a ring op masks by position (causal flag, window) and the explicit attn_mask it is given,
-    with that tensor's per-rank shape, dtype and bytes."""
+def describe_mask(m: RingMask, form: str = "") -> str:
+    """What a ring op masks by position (causal flag, window), by document ids and mods (from the
+    record's ``form``, :func:`cp_compile.backend.record.mask_form`), and the explicit attn_mask it is
+    given, with that tensor's per-rank shape, dtype and bytes."""
+    parts = form.split(";")[0].split(" + ") if form else []
+    by_ids = [p for p in parts if p == "documents" or p.startswith(("mask_mod", "score_mod", "mods"))]
     position = ("causal" + (f", window {m.window}" if m.window > 0 else "") + " by position") if m.causal else ""
+    if by_ids:
+        position = ", ".join(x for x in [position] + ["documents by their ids" if p == "documents" else p
+                                                       for p in by_ids] if x)
     if m.mask is None:
         return f"{position} (no mask tensor)" if position else "none (full attention, no mask tensor)"
     rows = "this rank's query rows over all keys, O(S^2 / N)" if m.per_query else "one row for every query, O(B·S)"
@@ -46,8 +52,12 @@ def format_explain(r: Report, target: str = "") -> str:
                  + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))
     lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
     w = max(len(n) for n, _ in r.attention)
-    for (n, s), mask in zip(r.attention, r.masks):  # what each ring op is given, read off the rewritten graph
-        lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(mask)}"]
+    forms = ctx.record.masks if ctx.record is not None else []  # the record's: the runtime's words too
+    for i, ((n, s), mask) in enumerate(zip(r.attention, r.masks)):  # what each ring op is given (rewritten graph)
+        form = forms[i] if i < len(forms) else ""
+        lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(mask, form)}"]
+        if form:
+            lines.append(f"  {'':<{w}}  mask form: {form}")
     lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or
                                        "none (every input stays whole; values are indexed by position)"))
     for name, dim in ctx.shard_nodes.items():  # passes/seq_origins.py

@@ -3,6 +3,8 @@
 * :mod:`.classify` — splits a mask into terms and classifies them (causal, window, full, or
   explicit) on abstract values; :mod:`.index` follows the indexing ops HF masks use;
   :mod:`.buffers` evaluates terms read from constant buffers (nanoGPT's ``tril`` buffer);
+* :mod:`.docs` — document terms ``X[b, q] == X[b, kv]`` (packed batches) -> the ring op's
+  ``doc_ids`` (the whole X, no mask tensor);
 * :mod:`.rows` — this rank's query rows of the explicit terms, for the ring op's ``attn_mask``.
 """
 

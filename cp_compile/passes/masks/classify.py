@@ -27,6 +27,14 @@ compared with a band (:mod:`.buffers`)::
 
     ~(bias[:, :, :S, :S] == 0)         Band(hi=0): causal, as if built from positions
 
+A term ``X[b, q] == X[b, kv]`` comparing one per-position integer tensor X at the query and the
+key position is a *document* term (packed sequences, :mod:`.docs`): the ring op takes X itself
+(``doc_ids``), and with HF's ids built from ``position_ids`` the positions inside each document
+are read as positions (so HF's remapped ``position_ids[b, kv] <= position_ids[b, q]`` is causal)::
+
+    ids[b, q] == ids[b, kv] & (pid[b, kv] <= pid[b, q]) & pad[b, kv]
+        ->  causal, doc_ids=ids, explicit [pad[b, kv]]
+
 Every other term (a key-padding mask read from ``attention_mask``, a mask passed in as an
 input, a float mask, a buffer that is no band, chunked attention, ...) is kept as an
 *explicit* mask: the rewrite computes only this rank's query rows of it
@@ -44,9 +52,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.fx as fx
 
-from ..context import fake_value, log, source_line
+from ..context import fake_value, global_shape, log, source_line
 from ..graph_inputs import user_name
 from .buffers import constant_band
+from .docs import Doc, doc_term, read_inputs_whole, steps_source
 from .index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
@@ -67,24 +76,66 @@ Abstract = Union[Affine, Band, Flag, int, float, bool]
 class MaskKind:
     """What a mask means for the ring op: ``causal``; ``window`` W > 0 when each query also
     sees only its W most recent keys (``0 <= q - kv < W``), else -1; ``explicit``: the mask
-    terms (old graph nodes, ANDed) the ring op must also apply as a tensor, or ()."""
+    terms (old graph nodes, ANDed) the ring op must also apply as a tensor, or (); ``doc_ids``:
+    the old node of the per-position document ids X of a term ``X[b, q] == X[b, kv]``, or None."""
 
     causal: bool
     window: int = -1
     explicit: Tuple[fx.Node, ...] = ()
+    doc_ids: Optional[fx.Node] = None
 
 
 def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
     """The meaning of the graph-built ``mask`` of ``sdpa`` (see the module docstring)."""
     band, rest = _split(mask, {}, seq_len)
+    docs = [t for t in rest if isinstance(t, Doc)]
+    if len({d.ids for d in docs}) > 1:  # two different document terms: explicit (exact, O(S^2 / N))
+        rest, docs = [t.term if isinstance(t, Doc) else t for t in rest], []
+    elif docs:
+        band, rest = _within_documents(mask, docs, band, rest, seq_len)
     kind = _band_kind(band, seq_len)
     if kind is None:  # a band the ring op cannot express: the whole mask is explicit
-        kind, rest = MaskKind(causal=False), [mask]
-    explicit = tuple(dict.fromkeys(rest))  # each term once, in order
-    if explicit:
-        log.info("cp_compile: attention at %s: mask %s = %s%s", source_line(sdpa), mask.name,
-                 "causal" if kind.causal else "full", f" (window {kind.window})" if kind.window > 0 else "")
-    return MaskKind(kind.causal, kind.window, explicit)
+        kind, rest, docs = MaskKind(causal=False), [mask], []
+    explicit = tuple(dict.fromkeys(t for t in rest if not isinstance(t, Doc)))  # each term once, in order
+    doc_ids = docs[0].ids if docs else None
+    if doc_ids is not None:
+        read_inputs_whole(mask)  # X and the erased terms are computed from whole inputs (docs.py)
+    if explicit or doc_ids is not None:
+        log.info("cp_compile: attention at %s: mask %s = %s%s%s", source_line(sdpa), mask.name,
+                 "causal" if kind.causal else "full", f" (window {kind.window})" if kind.window > 0 else "",
+                 f", documents {doc_ids.name}" if doc_ids is not None else "")
+    return MaskKind(kind.causal, kind.window, explicit, doc_ids)
+
+
+_OFFSETS = (0, 1 << 20, -(1 << 20))  # offsets of a document's positions: a term read alike at each is exact
+_ROW = 1 << 40  # P's rows read apart: a term comparing two rows of P keeps a batch term (not a band)
+
+
+def _positions(shape: Tuple[int, ...], off: int) -> Affine:
+    """P (.., B|1, S) inside a document: ``arange(S) + off``, plus ``_ROW`` times the row index."""
+    if len(shape) >= 2 and shape[-2] != 1:
+        return Affine(((-2, _ROW), (-1, 1)), off, ((-2, shape[-2]), (-1, shape[-1])))
+    return Affine(((-1, 1),), off, ((-1, shape[-1]),))
+
+
+def _within_documents(mask: fx.Node, docs: List[Doc], band: Band, rest: List[Any], seq_len: int):
+    """(band, rest) with HF's ids source P read as ``arange(S) + offset``: exact inside documents,
+    where P steps by 1 (:func:`.docs.steps_source`), when the result does not depend on the offset."""
+    source = steps_source(docs[0].ids)
+    if source is None or not any(isinstance(t, fx.Node) for t in rest):
+        return band, rest
+    shape = global_shape(source)
+    if shape is None or shape[-1] != seq_len:
+        return band, rest
+    results = []
+    for off in _OFFSETS:
+        memo: Dict[fx.Node, Any] = {d.term: d for d in docs}
+        memo[source] = _positions(shape, off)
+        results.append(_split(mask, memo, seq_len))
+    ids = {t.ids for t in results[0][1] if isinstance(t, Doc)}
+    if any(r != results[0] for r in results) or ids != {docs[0].ids}:
+        return band, rest
+    return results[0]
 
 
 def _band_kind(band: Band, seq_len: int) -> Optional[MaskKind]:
@@ -120,10 +171,16 @@ def _split(node: Any, memo: Dict[fx.Node, Abstract], seq_len: int) -> Tuple[Band
     try:
         value = _eval(node, memo)
     except Unrecognised:
+        doc = doc_term(node, lambda a: _eval(a, memo), seq_len)
+        if doc is not None:
+            memo[node] = doc
+            return Band(), [doc]
         bounds = constant_band(node, seq_len) if isinstance(node, fx.Node) else None
         return (Band(*bounds), []) if bounds is not None else (Band(), [node])
     if value == Flag(True) or value is True:
         return Band(), []
+    if isinstance(value, Doc):
+        return Band(), [value]
     return (value, []) if isinstance(value, Band) else (Band(), [node])
 
 
@@ -133,6 +190,8 @@ def _eval(arg: Any, memo: Dict[fx.Node, Abstract]) -> Abstract:
         if isinstance(arg, (bool, int, float)):
             return arg
         raise AssertionError(f"unexpected constant {arg!r}")
+    if arg in memo:
+        return memo[arg]
     if arg.op == "placeholder":
         raise Unrecognised(arg, f"reads the model input '{user_name(arg)}', known only at run time (padding "
                                 "in attention_mask, or packed sequences in position_ids)")

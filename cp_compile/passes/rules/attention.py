@@ -12,9 +12,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ... import graph_ops
-from ..context import CPRewriteError, global_shape, source_line
+from ..context import CPRewriteError, global_shape, log, source_line
 from ..find_attention import SDPA_TARGETS, sdpa_arg
 from ..layouts import GLOBAL, Sharded
+from ..masks.docs import doc_ids_value, whole
 from ..masks.rows import explicit_mask
 
 
@@ -73,14 +74,16 @@ def sdpa(em, node: fx.Node):
     q = sdpa_arg(node, 0, "query")
     k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
     v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
-    # A mask is split into causal / window flags and explicit terms (masks.py); the ring op gets
-    # the flags and this rank's rows of the terms (passes/masks/rows.py), and rewrite.py erases the
-    # mask's O(S^2) construction, now unused.
+    # A mask is split into causal / window flags, document ids and explicit terms (passes/masks/);
+    # the ring op gets the flags, the whole ids (masks/docs.py) and this rank's rows of the terms
+    # (masks/rows.py), and rewrite.py erases the mask's O(S^2) construction, now unused.
     kind = em.ctx.masks.get(node)
     causal = kind.causal if kind is not None else bool(sdpa_arg(node, 5, "is_causal", False))
     masks = {"window": kind.window} if kind is not None and kind.window > 0 else {}
     if kind is not None and kind.explicit:
         masks["attn_mask"] = explicit_mask(em, kind.explicit, node)
+    if kind is not None and kind.doc_ids is not None:
+        masks["doc_ids"] = doc_ids_value(em, kind.doc_ids, node)  # (B|1, S) whole, on every rank
     scale = sdpa_arg(node, 6, "scale")
     if scale is None:
         scale = 1.0 / math.sqrt(global_shape(q)[-1])
@@ -95,8 +98,24 @@ def sdpa(em, node: fx.Node):
     return em.call(operator.getitem, out, 0), Sharded(2)
 
 
+def whole_rule(em: Any, node: fx.Node):
+    """The layout rule of :func:`..masks.docs.whole` on a sharded input: the input whole, on every rank
+    (a mask's ingredients, such as document ids, are computed from whole inputs)."""
+    src = node.args[0]
+    lay = em.layout(src)
+    if not isinstance(lay, Sharded):
+        return em.env[src], GLOBAL
+    if em.ctx.inputs == "full" and src.op == "placeholder":  # every rank was passed the whole input
+        new = next(n for n in em.graph.nodes if n.op == "placeholder" and n.target == src.target)
+        return new, GLOBAL
+    log.info("cp_compile: the attention mask at %s reads the input %s whole: all-gathered (%s integers)",
+             source_line(node), src.name, em.ctx.seq_len)
+    return em.to_global(src), GLOBAL
+
+
 def attention_rule() -> Dict[Any, Any]:
-    return {t: sdpa for t in SDPA_TARGETS}
+    """SDPA -> the ring op; and the inputs an attention mask reads whole (:func:`..masks.docs.whole`)."""
+    return {**{t: sdpa for t in SDPA_TARGETS}, whole: whole_rule}
 
 
 def _bind(fn, node: fx.Node) -> inspect.BoundArguments:
