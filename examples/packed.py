@@ -56,7 +56,7 @@ class DocAttention(torch.nn.Module):
 
     ``form`` says where the documents come from and how the term is written: ``"index"``
     (``doc`` (B, S) ids, ``doc[:, :, None] == doc[:, None, :]``), ``"unsqueeze"`` (the same with
-    ``unsqueeze``), ``"cu_seqlens"`` (``doc`` holds flash-attn's cu_seqlens; ids by
+    ``unsqueeze``), ``"head_dim_last"`` (the conjunction at (B, S, S), then ``[:, None]``), ``"cu_seqlens"`` (``doc`` holds flash-attn's cu_seqlens; ids by
     ``searchsorted``), ``"eos"`` (``doc`` holds token ids, also embedded; a document starts after
     each 0), ``"activations"`` (ids from hidden states: the ring cannot have them whole, refused)."""
 
@@ -82,6 +82,9 @@ class DocAttention(torch.nn.Module):
             same = (ids[:, :, None] == ids[:, None, :])[:, None]
         elif self.form == "unsqueeze":
             same = (doc.unsqueeze(-1) == doc.unsqueeze(-2)).unsqueeze(1)  # (B, 1, S, S)
+        elif self.form == "head_dim_last":  # the whole conjunction built at (B, S, S), the head dim added at the end
+            mask = (doc[:, :, None] == doc[:, None, :]) & causal
+            return (mask if keep is None else mask & keep[:, None, :].bool())[:, None]  # (B, 1, S, S)
         else:
             same = (doc[:, :, None] == doc[:, None, :])[:, None]  # (B, 1, S, S)
         mask = same & causal

@@ -121,7 +121,8 @@ def _hand_case(form: str, padded: bool, seq: int = S) -> dict:
 
 @pytest.mark.parametrize("world,form,padded,seq", [(2, "index", False, S), (4, "index", True, S),
                                                    (2, "unsqueeze", True, S), (4, "cu_seqlens", False, S),
-                                                   (2, "eos", False, S), (4, "index", True, 90)])
+                                                   (2, "eos", False, S), (4, "index", True, 90),
+                                                   (4, "head_dim_last", True, S)])
 def test_hand_written_document_masks(ranks, world: int, form: str, padded: bool, seq: int) -> None:
     """S = 90 on 4 ranks pads to 96: the ids cover the 90 real positions, the ring skips the padding."""
     s_pad = -(-seq // (2 * world)) * 2 * world

@@ -67,6 +67,7 @@ class RewriteContext:
     seq_sym: Any = None  # the SymInt S under dynamic shapes, else None
     attention: List[fx.Node] = field(default_factory=list)
     masks: Dict[fx.Node, Any] = field(default_factory=dict)  # attention with a graph-built mask -> masks.MaskKind
+    mask_views: Dict[fx.Node, fx.Node] = field(default_factory=dict)  # mask -> its dim insertions moved onto its terms
     shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
     shard_nodes: Dict[str, int] = field(default_factory=dict)  # where the sequence arises (seq_origins) -> dim
     shard_candidates: Dict[str, List[int]] = field(default_factory=dict)  # before resolve_candidates

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from .find_flex import drop_block_masks, is_flex, parse_flex
 from .masks.classify import classify_mask
+from .masks.views import distribute_views
+from .emitter import erase_unused
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
@@ -100,7 +102,11 @@ def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
             "(a learned attention bias); the ring op treats masks as constants and would drop its gradient. "
             "Fix: detach the bias if it is not trained, or run this model without context parallelism."
         )
-    ctx.masks[node] = classify_mask(mask, node, seq_len)
+    moved = distribute_views(mask, ctx.mask_views)  # (a & b)[:, None] -> a' & b': each term on its own
+    if moved is not mask:
+        node.replace_input_with(mask, moved)
+        erase_unused(node.graph, [mask])  # the view of the whole conjunction, once no attention reads it
+    ctx.masks[node] = classify_mask(moved, node, seq_len)
 
 
 def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
