@@ -63,6 +63,32 @@ def test_a_mostly_whole_graph_warns_and_explain_says_so(caplog) -> None:
     assert f"record: {rec.summary()}" in format_explain(report)
 
 
+class _FloatDocMask(nn.Module):
+    """Documents compared as float ids: no document term the ring op takes (ids must be integers),
+    so the mask stays explicit, c x S float32 rows per rank, more than the rest of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+        s, ids, pos = x.shape[1], doc.float(), torch.arange(x.shape[1])
+        mask = ((ids[:, :, None] == ids[:, None, :]) & (pos[None, :] <= pos[:, None]))[:, None]  # (1, 1, S, S)
+        q, k, v = (t.view(1, s, 2, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+def test_a_graph_mostly_of_mask_rows_warns_naming_the_mask(caplog) -> None:
+    """The low-fraction WARNING says what holds the bytes: here the explicit mask rows, not a fallback."""
+    doc = torch.repeat_interleave(torch.arange(4), 64)[None]  # (1, 256): four documents
+    with caplog.at_level(logging.WARNING, logger="cp_compile"):
+        rec = inspect(_FloatDocMask(), (torch.randn(1, 256, 16), doc), world_size=2).ctx.record
+    assert rec.fallbacks == [] and rec.sharded_fraction < 0.5, rec
+    assert rec.masks == ["causal + explicit; per rank: attn_mask (1, 1, 128, 256) float32 128.0 KiB"], rec.masks
+    low = [r.getMessage() for r in caplog.records if "of its activation bytes sharded" in r.getMessage()]
+    assert len(low) == 1 and "most of it is explicit attention-mask rows (causal + explicit" in low[0], low
+
+
 def _resharded(seq_len: int) -> tuple:
     from checks import loss_through_ring_cp
 

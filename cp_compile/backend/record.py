@@ -207,7 +207,10 @@ def _warn_if_low(rec: GraphRecord) -> None:
     if key in _warned:
         return
     _warned.add(key)
+    explicit = [m for m in rec.masks if "explicit" in m]
+    why = (f"most of it is explicit attention-mask rows ({explicit[0]})" if explicit and not rec.fallbacks
+           else "most of it runs on the whole sequence on every rank")
     log.warning("cp_compile: the graph with attention at %s holds only %.0f%% of its activation bytes sharded "
-                "(%d gather fallback(s)%s): most of it runs on the whole sequence on every rank. Fix: see the "
-                "fallbacks' warnings, or run `cp-compile explain` on the model.", key, 100 * rec.sharded_fraction,
-                len(rec.fallbacks), "; first: " + rec.fallbacks[0] if rec.fallbacks else "")
+                "(%d gather fallback(s)%s): %s. Fix: see the fallbacks' and masks' warnings, or run "
+                "`cp-compile explain` on the model.", key, 100 * rec.sharded_fraction,
+                len(rec.fallbacks), "; first: " + rec.fallbacks[0] if rec.fallbacks else "", why)
