@@ -159,6 +159,19 @@ def test_ring_op_gets_the_mods_and_whole_buffers(style, score, buffers):
             assert b.meta["val"].shape[-1] in (32, 4)  # whole: the sequence (S = 32), or the heads
 
 
+@pytest.mark.parametrize("style,form", [
+    ("alibi", "mask_mod from flex_attention + score_mod from flex_attention; per rank: score_buffers 1 tensor(s) 16 B"),
+    ("causal", "mask_mod from flex_attention; per rank: no mask tensor"),
+])
+def test_record_states_the_mask_form(style, form):
+    """The per-graph record (and so explain) names the mods and the bytes of their buffers per rank
+    (ALiBi: one (4,) fp32 slopes buffer)."""
+    from cp_compile.tools.explain import inspect
+
+    model, inputs = flex_models.FACTORIES[style]()
+    assert inspect(model, inputs, world_size=2).ctx.record.masks == [form] * 2
+
+
 def _refusal(model: nn.Module, inputs: tuple) -> str:
     with pytest.raises(CPRewriteError) as err:
         _after(model, inputs)

@@ -17,9 +17,11 @@ rule that emits the ring op is described alike)::
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -158,8 +160,17 @@ def _mod_names(key: str) -> List[str]:
     for kind in ("mask_mod", "score_mod"):
         fn = getattr(mods, kind, None)
         if fn is not None:
-            out.append(f"{kind} {getattr(fn, '__name__', type(fn).__name__)}")
+            out.append(f"{kind} {_fn_name(fn)}")
     return out
+
+
+def _fn_name(fn: Any) -> str:
+    """A mod's name: the function's own, or "from flex_attention" for a subgraph Dynamo traced
+    out of a flex_attention call (its attribute names, score_mod_0 / mask_fn_0, say nothing)."""
+    if isinstance(fn, functools.partial):
+        inner = getattr(fn.func, "__name__", "")
+        return "from flex_attention" if inner == "call_subgraph" else f"partial of {inner or type(fn.func).__name__}"
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def mask_forms(after: fx.GraphModule) -> List[str]:
