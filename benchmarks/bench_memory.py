@@ -58,21 +58,7 @@ def rank_step(rank: int, world: int, model_name: str, seq_len: int, inner: str) 
                                                       **MODELS[model_name])
     backend = inner if world == 1 else cp_compile.RingCP(inner=inner)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
-        loss = compiled(input_ids, labels)  # input_ids, labels: (1, S)
-        loss.backward()
-        return loss.item()
-
-    sync = torch.distributed.barrier if world > 1 else (lambda: None)
-    step()  # compile + warm-up
-    sync()
-    t0 = time.perf_counter()
-    m = common.measure_peak(step)
-    m["seconds"] = time.perf_counter() - t0
-    m["loss"] = m.pop("result")
-    return m
+    return common.measure_train_step(model, compiled, (input_ids, labels), world)  # input_ids, labels: (1, S)
 
 
 def measure_all(args) -> List[Dict[str, Any]]:

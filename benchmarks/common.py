@@ -70,6 +70,27 @@ def measure_peak(fn: Callable[[], Any]) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------- timing
+def measure_train_step(model: Any, compiled: Callable[..., Any], args: tuple, world: int) -> Dict[str, Any]:
+    """One forward + backward of ``compiled(*args)`` (a loss) to compile and warm up, then the peak
+    of the next one (:func:`measure_peak`); ``loss`` and ``seconds`` of the measured step added."""
+    import torch
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = compiled(*args)
+        loss.backward()
+        return loss.item()
+
+    sync = torch.distributed.barrier if world > 1 else (lambda: None)
+    step()  # compile + warm-up
+    sync()
+    t0 = time.perf_counter()
+    m = measure_peak(step)
+    m["seconds"] = time.perf_counter() - t0
+    m["loss"] = m.pop("result")
+    return m
+
+
 def timed(fn: Callable[[], Any], sync: Callable[[], Any] = lambda: None) -> float:
     """Wall seconds of ``fn()``, after ``sync()`` (e.g. a barrier so ranks start together)."""
     sync()
