@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Dict, Literal, Optional, Tuple, Union
 
-LoadBalance = Literal["zigzag", "striped", "contiguous"]
+LoadBalance = Literal["zigzag", "striped", "contiguous", "documents"]
 Rotate = Literal["p2p", "allgather"]
 Kernel = Union[Literal["auto", "aten", "triton", "reference"], str]  # or a registered kernel's name
 Mode = Literal["full", "local"]
@@ -78,7 +78,9 @@ class RingOptions:
 
     load_balance: LoadBalance = "zigzag"
     """Token-to-rank layout: ``"zigzag"`` (rank r holds chunks r and 2N-1-r: balanced causal
-    work), ``"striped"`` (token i on rank i mod N) or ``"contiguous"`` (one chunk per rank)."""
+    work), ``"striped"`` (token i on rank i mod N) or ``"contiguous"`` (one chunk per rank).
+    ``"documents"``: a per-batch table of positions balancing causal work over packed documents
+    (:func:`cp_compile.doc_layout.layout_table`); the ring op then needs ``positions=table``."""
     rotate: Rotate = "p2p"
     """``"p2p"``: K/V pass around the ring with double-buffered async send/recv, overlapped
     with compute; ``"allgather"``: all K/V gathered once (N x the K/V memory, fewer transfers)."""
@@ -111,7 +113,9 @@ class BackendOptions:
     """The CP group: ``None`` (the default process group), a ``ProcessGroup``, a 1-D
     ``DeviceMesh``, or a DeviceMesh with a ``"cp"`` dim (DP x CP meshes)."""
     load_balance: LoadBalance = "zigzag"
-    """How the sequence is laid out over the ranks (see :class:`RingOptions`)."""
+    """How the sequence is laid out over the ranks (see :class:`RingOptions`). ``"documents"``: the
+    layout is computed each call from the document ids the attention masks compare
+    (``torch.ops.cp_compile.document_table``); needs every attention to have a document mask."""
     rotate: Rotate = "p2p"
     """How K/V travel (see :class:`RingOptions`)."""
     kernel: Kernel = "auto"
@@ -137,6 +141,11 @@ class BackendOptions:
     def __post_init__(self) -> None:
         check_literals(self)
         check_timeout(self.timeout)
+        if self.load_balance == "documents" and self.inputs == "local":
+            raise ValueError(
+                "cp_compile: load_balance='documents' computes each batch's layout from its document ids, but "
+                "inputs='local' shards were cut with a fixed layout. Fix: inputs='full' (every rank passes the "
+                "whole batch), or load_balance='zigzag'.")
         if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
             raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
 

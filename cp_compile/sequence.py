@@ -8,6 +8,7 @@ A layout maps a sequence of ``S`` tokens onto ``N`` ranks, each holding
 | ``zigzag``   | chunks r and 2N-1-r of 2N equal chunks        | 2N (1 if N == 1) |
 | ``striped``  | tokens r, r+N, r+2N, ...                      | N                |
 | ``contiguous`` | tokens [r*c, (r+1)*c)                       | N                |
+| ``documents``  | row r of a per-batch table (below)            | N                |
 
 A layout may also be given as a **table** of positions, computed per batch (e.g. the
 document-aware :func:`cp_compile.doc_layout.layout_table`): an (N, c) int64 tensor whose
@@ -54,6 +55,11 @@ def check_seq_len(seq_len: int, world_size: int, load_balance: str) -> None:
 def rank_positions(seq_len: int, world_size: int, rank: int, load_balance: str) -> torch.Tensor:
     """Global positions (int64, increasing) of the tokens ``rank`` holds. Pure: no group needed."""
     check_seq_len(seq_len, world_size, load_balance)
+    if load_balance == "documents":
+        raise ValueError(
+            "cp_compile: load_balance='documents' has no fixed positions: the layout is computed per batch. "
+            "Fix: pass positions=cp_compile.layout_table(doc_ids, N) (cp_compile.shard / unshard / positions, "
+            "ring_attention), or use load_balance='zigzag'.")
     if not 0 <= rank < world_size:
         raise ValueError(f"cp_compile: rank {rank} is outside a group of size {world_size}.")
     c = seq_len // world_size

@@ -46,7 +46,8 @@ def context_parallel(
         mesh: the CP group (None = WORLD, a ProcessGroup, or a DeviceMesh with a "cp" dim).
         shard: ``{argument name: sequence dim}`` of the step's arguments that carry the
             sequence (e.g. ``{"input_ids": 1, "labels": 1}``); None = detect automatically.
-        load_balance: "zigzag" | "striped" | "contiguous".
+        load_balance: "zigzag" | "striped" | "contiguous" | "documents" (a layout computed per
+            batch from the document ids the attention masks compare; needs inputs="full").
         inputs: "full" (every rank passes the whole batch) or "local" (the data loader
             already called ``cp_compile.shard`` on the named arguments; they are gathered
             before the step, which is cheap for token ids and labels).

@@ -38,6 +38,7 @@ VALUES = {
     ("load_balance", "zigzag"): None,
     ("load_balance", "striped"): None,
     ("load_balance", "contiguous"): None,
+    ("load_balance", "documents"): "test_doc_balance_backend.py::test_hf_llama_packed_is_exact",
     ("rotate", "p2p"): None,
     ("rotate", "allgather"): None,
     ("kernel", "auto"): None,

@@ -21,7 +21,9 @@
 4. :mod:`.rewrite` — sequence-layout propagation emitting the per-rank graph: rules in
    :mod:`.rules` (one table, rules by op class), the rule oracle for ops with no rule
    (:mod:`.oracle`, :mod:`.oracle_aten`), indices in :mod:`.seqindex`, rows selected
-   upstream of an origin by :mod:`.row_select`;
+   upstream of an origin by :mod:`.row_select`; under ``load_balance="documents"``,
+   :mod:`.doc_table` first moves the document ids' construction to the top, and this rank's
+   positions are ``document_table(X, N)[rank]``, computed in the graph each call;
 5. :mod:`.repropagate` — per-rank fake values on the rewritten graph; then
    :func:`cp_compile.backend.record.record_graph` records what the graph got.
 

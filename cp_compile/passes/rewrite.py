@@ -29,6 +29,7 @@ from torch._prims_common import compute_elementwise_output_logical_to_physical_p
 
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
+from .doc_table import documents_first, emit_table
 from .emitter import Emitter, erase_unused
 from .find_attention import is_sdpa
 from .layouts import GLOBAL, Global, Sharded
@@ -214,12 +215,15 @@ def _check_every_attention_is_the_ring(em: Emitter) -> None:
 
 def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
     em = Emitter(gm, ctx, examples)
+    ids = documents_first(gm, ctx)  # load_balance="documents": the ids' construction, moved to the top
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             _placeholder(em, node)
             continue
-        if em.inputs:
-            _finish_inputs(em)  # all placeholders come first
+        if ids is not None and em.index.table is None and ids in em.env:
+            emit_table(em, ids)  # the layout of this call, before anything is sharded
+        if em.inputs and (ids is None or em.index.table is not None):
+            _finish_inputs(em)  # all placeholders come first (and, under documents, the ids)
         if node.op == "output":
             _output(em, node)
         elif node.op == "get_attr":

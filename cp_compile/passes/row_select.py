@@ -24,7 +24,8 @@ Two moves, applied recursively from the origin:
 
 A value used elsewhere too (more than one user), a graph input, or anything else is
 indexed where it stands (``index_select``). Needs static shapes (the per-piece positions
-are constants); under a symbolic S the origin is indexed as a whole. The whole copies the
+are constants); under a symbolic S or ``load_balance="documents"`` (positions from a
+per-batch table) the origin is indexed as a whole. The whole copies the
 walk had already emitted for the nodes moved past are erased when nothing else uses them.
 """
 
@@ -45,7 +46,7 @@ _CATS = {torch.cat, torch.concat, torch.concatenate}
 
 def select_rows(em: Any, origin: fx.Node, dim: int) -> fx.Node:
     """The new graph's value of ``origin`` (Global, size S along ``dim``) at this rank's positions."""
-    if em.ctx.seq_sym is not None:
+    if em.index.runtime:  # symbolic S or a per-batch table: positions are graph values
         return em.to_sharded(origin, dim)
     rows = em.index.index(em.ctx.seq_len, 1)  # the constant buffer node; its value:
     idx = em.gm.get_buffer(rows.target)  # (c,) ascending global positions, padding clamped to S-1

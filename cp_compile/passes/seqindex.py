@@ -1,7 +1,10 @@
 """Which entries of a sequence dim this rank holds, as graph values.
 
 With static shapes the sequence length S is a Python int and every index is a
-constant buffer computed here. Under ``dynamic=True`` (or Dynamo's automatic
+constant buffer computed here, except under ``load_balance="documents"``: the positions
+are then the rows of a table the graph computes from each batch's document ids
+(:attr:`SeqIndex.table`, ``torch.ops.cp_compile.document_table``), and every index is
+emitted as graph ops on ``table[rank]``, as under a symbolic S. Under ``dynamic=True`` (or Dynamo's automatic
 dynamic shapes after a new length) S is a SymInt graph input: the same indices
 are then emitted as graph ops on it, so one compiled graph serves every length.
 
@@ -29,6 +32,12 @@ class SeqIndex:
     def __init__(self, em: Any) -> None:
         self.em, self.ctx = em, em.ctx
         self._memo: dict = {}
+        self.table: Optional[fx.Node] = None  # load_balance="documents": the (N, c) positions table node
+
+    @property
+    def runtime(self) -> bool:
+        """Whether positions are graph values (symbolic S, or a per-batch table), not constants."""
+        return self.ctx.seq_sym is not None or self.table is not None
 
     # -- scalars ---------------------------------------------------------------
     def op(self, fn, a: Value, b: Value) -> Value:
@@ -68,7 +77,9 @@ class SeqIndex:
         key = ("pos", rank)
         if key not in self._memo:
             ctx, n = self.ctx, self.ctx.world
-            if ctx.seq_sym is None:
+            if self.table is not None:
+                self._memo[key] = self.em.call(operator.getitem, self.table, rank)  # (c,) this batch's row
+            elif ctx.seq_sym is None:
                 self._memo[key] = self.em.const(f"_cp_pos{rank}", rank_positions(ctx.padded_len, n, rank, ctx.load_balance))
             elif ctx.load_balance == "striped":
                 self._memo[key] = self._arange(rank, self.S_pad(), n)
@@ -85,7 +96,7 @@ class SeqIndex:
 
     def index(self, size: Value, inner: int) -> fx.Node:
         """Indices of this rank's entries along a dim of global ``size`` (1-D, outer * c * inner)."""
-        if self.ctx.seq_sym is None:
+        if not self.runtime:
             return self.em.const(f"_cp_index_{size}_{inner}", self._static_index(size, inner)[0])
         s, em = self.S(), self.em
         span = self.op(operator.mul, s, inner)
@@ -101,7 +112,7 @@ class SeqIndex:
         view = [-1 if d == dim else 1 for d in range(ndim)]
         if ctx.seq_sym is None:
             if not ctx.padded:
-                return None
+                return None  # (always so under a table: S divides by N, no padding)
             mask = self._static_index(global_size, inner)[1]
             return em.const(f"_cp_valid_{global_size}_{inner}_{dim}_{ndim}", mask.reshape(view))
         outer = self.op(operator.floordiv, em.method("size", local, dim), self.op(operator.mul, self.c(), inner))
@@ -112,6 +123,9 @@ class SeqIndex:
     def order_inverse(self) -> Tuple[fx.Node, fx.Node]:
         """Positions of ranks 0..N-1 concatenated (S_pad,) and the first S of its argsort."""
         ctx, em = self.ctx, self.em
+        if self.table is not None:  # (N, c) -> (S,): a partition of range(S), no padding
+            order = em.method("reshape", self.table, -1)
+            return order, em.call(torch.argsort, order)
         if ctx.seq_sym is None:
             order = ctx.order()
             return em.const("_cp_order", order), em.const("_cp_inverse", torch.argsort(order)[: ctx.seq_len])

@@ -176,3 +176,5 @@ def _n_inputs(options: List[Any]) -> int:
 
 
 ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+from . import table_op as _table_op  # noqa: E402,F401  (registers cp_compile::document_table)

@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hardware", required=True, type=parse_hardware, metavar="HW",
                       help=f"{' | '.join(HARDWARE)} | {HW_FORM} (GB/s per direction)")
     plan.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16")
-    plan.add_argument("--load-balance", choices=LOAD_BALANCES, default="zigzag")
+    plan.add_argument("--load-balance", choices=[lb for lb in LOAD_BALANCES if lb != "documents"], default="zigzag",
+                      help="a fixed layout (documents: the layout depends on each batch, so no plan)")
     plan.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal attention")
     plan.add_argument("--micro-batch", type=positive_int, default=1, metavar="B")
     plan.add_argument("--no-optimizer", dest="optimizer", action="store_false",

@@ -37,12 +37,17 @@ def describe_mask(m: RingMask, form: str = "") -> str:
     return f"{position}, and {explicit}" if position else explicit
 
 
+def _layout(load_balance: str) -> str:
+    """The layout's name as explain prints it (``documents`` is computed per batch, in the graph)."""
+    return "documents (table per batch)" if load_balance == "documents" else load_balance
+
+
 def format_explain(r: Report, target: str = "") -> str:
     """The ``explain`` summary: attention (each with the mask its ring op applies), sharded inputs,
     fallbacks, collectives per step and the activation-memory estimate."""
     ctx = r.ctx
     head = f"cp-compile explain {target}".rstrip()
-    lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank {ctx.group.rank} shown), load balance {r.load_balance}"]
+    lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank {ctx.group.rank} shown), load balance {_layout(r.load_balance)}"]
     if not r.attention:
         lines.append("attention: none found. The ring_cp backend compiles this graph unchanged "
                      "(nothing is split by sequence).")
@@ -107,7 +112,7 @@ def format_rows(rows: List[NodeRow], after: bool) -> List[str]:
 
 def format_dump_text(r: Report, target: str = "") -> str:
     """The ``dump`` text listing: the Dynamo graph, then the rewritten one (global -> local shapes)."""
-    lines = [f"# cp-compile dump {target}: world size {r.world_size}, load balance {r.load_balance}".replace("  ", " "),
+    lines = [f"# cp-compile dump {target}: world size {r.world_size}, load balance {_layout(r.load_balance)}".replace("  ", " "),
              "# columns: name  kind  target  shape  source line;  * = inserted or rewritten by ring_cp",
              "", f"== before: the Dynamo graph ({len(r.before_rows)} nodes), global shapes"]
     lines += format_rows(r.before_rows, after=False)

@@ -92,6 +92,8 @@ def sdpa(em, node: fx.Node):
         raise CPRewriteError(f"cp_compile: attention at {source_line(node)} has q/k/v heads {hq}/{hk}/{hv}; "
                              "need H % H_kv == 0 and equal k/v heads.")
     ctx = em.ctx
+    if em.index.table is not None:  # load_balance="documents": this call's layout (passes/doc_table.py)
+        masks["positions"] = em.index.table
     out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
                   _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), causal, float(scale),
                   ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **masks)

@@ -93,6 +93,8 @@ def flex(em, node: fx.Node) -> Tuple[Any, Any]:
         if spec.score_buffers:
             extra["score_buffers"] = [_whole(em, b, node) for b in spec.score_buffers]
     ctx = em.ctx
+    if em.index.table is not None:  # load_balance="documents" (passes/doc_table.py)
+        extra["positions"] = em.index.table
     ring = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
                    _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), False, spec.scale,
                    ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **extra)
