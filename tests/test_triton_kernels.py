@@ -181,10 +181,9 @@ def test_benchmark_flop_count_and_dry_run(capsys):
     assert "interpreter dry run" in out and out.count("rank") >= 2
 
 
-def test_kernels_compile_for_real_gpus():
-    """The real Triton compiler (ptxas included) accepts every kernel for sm_80 and sm_90:
-    tile shapes, dtypes and control flow obey the GPU's rules, which the interpreter
-    does not check. Runs in a subprocess without TRITON_INTERPRET."""
+def real_compile(calls: str) -> list:
+    """The records of ``calls`` (an expression over ``compile_all``) run by the real Triton compiler
+    in a subprocess without TRITON_INTERPRET."""
     import json
     import os
     import subprocess
@@ -192,11 +191,18 @@ def test_kernels_compile_for_real_gpus():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    code = ("import json; from cp_compile.kernels.triton.compile_check import compile_all; "
-            "print(json.dumps(compile_all(90, 'bf16', head_dim=80, group=4) + compile_all(80, 'fp16', head_dim=64, group=1, causal=False)))")
+    code = f"import json; from cp_compile.kernels.triton.compile_check import compile_all; print(json.dumps({calls}))"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
-    records = json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_compile_for_real_gpus():
+    """The real Triton compiler (ptxas included) accepts every kernel for sm_80 and sm_90:
+    tile shapes, dtypes and control flow obey the GPU's rules, which the interpreter
+    does not check. Runs in a subprocess without TRITON_INTERPRET."""
+    records = real_compile("compile_all(90, 'bf16', head_dim=80, group=4) "
+                           "+ compile_all(80, 'fp16', head_dim=64, group=1, causal=False)")
     assert sorted({r["kernel"] for r in records}) == ["_bwd_dkdv", "_bwd_dq", "_finalize", "_fwd_step"]
     assert len(records) == 8 and all(r["cubin_bytes"] > 0 for r in records)
     assert max(r["shared_bytes"] for r in records) <= 164 * 1024  # fits an A100's shared memory
