@@ -114,6 +114,16 @@ def doc_rectangles(q_ids: Tensor, k_ids: Tensor, causal: bool) -> List[Rect]:
     return rects
 
 
+def padded_ids(doc_ids: Tensor, seq_len: int) -> Tensor:
+    """``doc_ids`` (S'), or (B|1, S') with S' <= ``seq_len``, as (B|1, seq_len) int64 on the CPU: ids of a
+    sequence the backend padded are extended with the last id (no real query sees a padding key)."""
+    ids = doc_ids.detach().to("cpu", torch.int64)
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (B|1, S')
+    if ids.shape[1] < seq_len:
+        ids = torch.cat([ids, ids[:, -1:].expand(-1, seq_len - ids.shape[1])], dim=1)
+    return ids
+
+
 class DocIndex:
     """The document ids of one ring call on the CPU, read per batch group and position.
 
@@ -127,10 +137,7 @@ class DocIndex:
     """
 
     def __init__(self, doc_ids: Tensor, seq_len: int) -> None:
-        ids = doc_ids.detach().to("cpu", torch.int64)  # (B|1, S)
-        ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
-        if ids.shape[1] < seq_len:  # ids of the unpadded sequence: padding keeps the last document's id
-            ids = torch.cat([ids, ids[:, -1:].expand(-1, seq_len - ids.shape[1])], dim=1)
+        ids = padded_ids(doc_ids, seq_len)  # (B|1, S) int64 on the CPU
         if ids.shape[0] > 1 and bool((ids == ids[:1]).all()):
             ids = ids[:1]
         self.ids = ids

@@ -31,6 +31,7 @@ import torch
 from ..group import CPGroup
 from .comm import GradSink, kv_blocks
 from .masking import BlockPositions, MaskSpec, any_visible
+from .docs import padded_ids
 
 Tensor = torch.Tensor
 NO_LIMIT = 2**31 - 1  # no padding: every key position is below this
@@ -56,9 +57,7 @@ class BlockDocs:
         if whole.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cp_compile: doc_ids must be int32 or int64, got {whole.dtype}. "
                              "Fix: pass doc_ids.to(torch.int32).")
-        cpu = whole.to("cpu", torch.int64)
-        if short:  # padding positions (>= valid_len) carry the last document's id; no key there is seen
-            cpu = torch.cat([cpu, cpu[:, -1:].expand(-1, s - cpu.shape[1])], dim=1)
+        cpu = padded_ids(whole, s)  # (B|1, S) int64; padding positions (>= valid_len) carry the last id
         if cpu.numel() and (int(cpu.min()) < _INT32.min or int(cpu.max()) > _INT32.max):
             raise ValueError("cp_compile: the Triton kernels take document ids in the int32 range. "
                              "Fix: renumber the documents 0, 1, 2, ... (e.g. torch.unique(..., return_inverse=True)).")
