@@ -25,6 +25,7 @@ import cp_compile
 from cp_compile.ring.masking import additive_mask
 from cp_compile.sequence import rank_positions
 from test_ring_exact import assemble, relerr
+from test_ring_masks import refusals
 
 FP32 = 1e-5
 
@@ -232,20 +233,11 @@ def _rank_misuse():
     s = 16
     q = k = v = cp_compile.shard(torch.randn(2, 2, s, 8), 2)
     ids = _ids([[5, 11]], s)
-    msgs = []
-    for kw in (dict(doc_ids=ids.float()), dict(doc_ids=cp_compile.shard(ids, 1)), dict(doc_ids=_ids([[5, 11]] * 3, s)),
-               dict(doc_ids=torch.zeros(1, s, dtype=torch.int64, device="meta"))):
-        try:
-            cp_compile.ring_attention(q, k, v, causal=True, **kw)
-            msgs.append(None)
-        except ValueError as e:
-            msgs.append(str(e))
-    try:  # rank 0 broadcasts one row of ids, rank 1 passes one per batch row: every rank must refuse
-        cp_compile.ring_attention(q, k, v, causal=True, doc_ids=ids if dist.get_rank() == 0 else ids.expand(2, s))
-        msgs.append(None)
-    except ValueError as e:
-        msgs.append(str(e))
-    return msgs
+    # the last call: rank 0 broadcasts one row of ids, rank 1 passes one per batch row: every rank must refuse
+    bad = ids if dist.get_rank() == 0 else ids.expand(2, s)
+    return refusals(q, k, v, [dict(causal=True, doc_ids=d) for d in (
+        ids.float(), cp_compile.shard(ids, 1), _ids([[5, 11]] * 3, s),
+        torch.zeros(1, s, dtype=torch.int64, device="meta"), bad)])
 
 
 def test_doc_ids_misuse_names_the_fix(ranks):

@@ -153,17 +153,25 @@ def test_explicit_mask_matches_sdpa(ranks, world):
     assert not failures, "\n".join(failures)
 
 
-def _rank_errors():
-    q = k = v = cp_compile.shard(torch.randn(1, 2, 16, 16), 2)
+def refusals(q, k, v, calls) -> list:
+    """The ValueError message of each ``ring_attention(q, k, v, **kw)`` for kw in ``calls``, in order;
+    None where the call ran."""
     msgs = []
-    for kw in (dict(window=4), dict(causal=True, window=0), dict(causal=True, attn_mask=torch.ones(8, 16, dtype=torch.bool)),
-               dict(attn_mask=torch.ones(16, 16, dtype=torch.bool)), dict(attn_mask=torch.ones(8, 16, dtype=torch.bool), kernel="triton")):
+    for kw in calls:
         try:
             cp_compile.ring_attention(q, k, v, **kw)
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
     return msgs
+
+
+def _rank_errors():
+    q = k = v = cp_compile.shard(torch.randn(1, 2, 16, 16), 2)
+    return refusals(q, k, v, (
+        dict(window=4), dict(causal=True, window=0), dict(causal=True, attn_mask=torch.ones(8, 16, dtype=torch.bool)),
+        dict(attn_mask=torch.ones(16, 16, dtype=torch.bool)),
+        dict(attn_mask=torch.ones(8, 16, dtype=torch.bool), kernel="triton")))
 
 
 def test_mask_misuse_names_the_fix(ranks):
