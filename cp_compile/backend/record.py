@@ -165,11 +165,9 @@ def _mod_names(key: str) -> List[str]:
 
 
 def _fn_name(fn: Any) -> str:
-    """A mod's name: the function's own, or "from flex_attention" for a subgraph Dynamo traced
-    out of a flex_attention call (its attribute names, score_mod_0 / mask_fn_0, say nothing)."""
-    if isinstance(fn, functools.partial):
-        inner = getattr(fn.func, "__name__", "")
-        return "from flex_attention" if inner == "call_subgraph" else f"partial of {inner or type(fn.func).__name__}"
+    """A mod's name (a ``functools.partial`` has none unless given one, as rules/flex.py does)."""
+    if isinstance(fn, functools.partial) and not hasattr(fn, "__name__"):
+        return f"partial of {getattr(fn.func, '__name__', type(fn.func).__name__)}"
     return getattr(fn, "__name__", type(fn).__name__)
 
 

@@ -45,7 +45,11 @@ def call_subgraph(sub: fx.GraphModule, *args: Any) -> Any:
 
 
 def _as_mod(sub: Optional[fx.GraphModule]) -> Optional[Callable]:
-    return None if sub is None else functools.partial(call_subgraph, sub)  # hashed by the subgraph's code
+    if sub is None:
+        return None
+    mod = functools.partial(call_subgraph, sub)  # hashed by the subgraph's code
+    mod.__name__ = "from flex_attention"  # what the record names it (Dynamo's score_mod_0 / mask_fn_0 say nothing)
+    return mod
 
 
 def _whole(em, buf: fx.Node, node: fx.Node) -> fx.Node:
