@@ -24,8 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..context import fake_value
-
-_AND = {operator.and_, torch.logical_and, torch.bitwise_and, "__and__", "logical_and", "bitwise_and"}
+from .classify import _AND_TARGETS  # the conjunctions classify splits: only those gain from this
 
 
 def distribute_views(mask: fx.Node, memo: Dict[fx.Node, fx.Node]) -> fx.Node:
@@ -45,7 +44,7 @@ def _distribute(mask: fx.Node) -> fx.Node:
 
 
 def _is_and(node) -> bool:
-    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in _AND \
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in _AND_TARGETS \
         and _is_bool(node)
 
 
