@@ -154,8 +154,33 @@ def _find_factory(path: str, name: str) -> Callable:
     return factory
 
 
+def _package_name(path: str) -> Optional[Tuple[str, str]]:
+    """``(root's parent folder, dotted module name)`` when the file at ``path`` lies in a package
+    (its folder has an ``__init__.py``), so it is imported as ``python -m`` would: relative and
+    package imports inside it work. None for a plain file."""
+    folder, parts = os.path.dirname(os.path.abspath(path)), [os.path.splitext(os.path.basename(path))[0]]
+    if not os.path.isfile(os.path.join(folder, "__init__.py")):
+        return None
+    while os.path.isfile(os.path.join(folder, "__init__.py")):
+        folder, pkg = os.path.split(folder)
+        parts.insert(0, pkg)
+    names = parts if parts[-1] != "__init__" else parts[:-1]
+    return (folder, ".".join(names)) if all(n.isidentifier() for n in names) else None
+
+
 def _import_file(path: str) -> Any:
-    """The module of the file at ``path``, imported under a name unique to that path."""
+    """The module of the file at ``path``: as a module of its package when it lies in one, else
+    imported under a name unique to that path."""
+    package = _package_name(path)
+    if package is not None:
+        root, dotted = package
+        sys.path.insert(0, root)
+        try:
+            return importlib.import_module(dotted)
+        except Exception as e:
+            raise TargetError(f"importing {path} (as {dotted}) raised {type(e).__name__}: {e}. Fix the file.") from e
+        finally:
+            sys.path.remove(root)
     mod_name = "_cp_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0]) + f"_{abs(hash(path))}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:

@@ -1,0 +1,59 @@
+"""Every zoo member (examples/zoo/) under ring_cp against one process, on real gloo ranks.
+
+For each member and each CP size it lists (``Member.worlds``; ``examples/zoo_sweep.py`` runs
+all members at 2 and 4 ranks), measured on every rank by :func:`zoo.measure.measure`:
+
+* the loss and every parameter gradient within ``Member.tol`` (1e-5 relative) of the eager
+  one-process run on the whole sequence, and no gradient missing on either side;
+* every attention became the ring, and a second call runs no attention kernel outside the
+  ring and builds no tensor spanning the sequence twice (no S x S or c x S mask or scores);
+* gather fallbacks exactly those the member declares (``Member.mixes_tokens``: ops that
+  really mix tokens outside attention), none where nothing does;
+* the sharded fraction of activation bytes at least ``Member.min_sharded`` (0.9);
+* ``cp-compile explain`` prints the record the runtime keeps (field by field where Dynamo
+  splits the model into several graphs).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from checks import pieces_mismatches
+from zoo import members
+from zoo.measure import measure
+
+ZOO = members()
+CASES = [pytest.param(name, world, id=f"{name}-N{world}") for name, m in ZOO.items() for world in m.worlds]
+
+
+def _problems(member, r: dict) -> list:
+    """What of the checks above one rank's measurement fails (empty: all hold)."""
+    bad = []
+    if not (r["loss"] <= member.tol and r["grad"] <= member.tol):
+        bad.append(f"error: loss {r['loss']:.2e}, worst gradient {r['grad']:.2e} ({r['grad_name']})")
+    if r["grads_missing"]:
+        bad.append(f"gradient on one side only: {r['grads_missing']}")
+    if not r["attention"] or r["rings"] != r["attention"]:
+        bad.append(f"{r['rings']} ring op(s) for {r['attention']} attention(s)")
+    if r["whole_attention"] or r["quadratic"] or r["recompiled"]:
+        bad.append(f"second call: attention outside the ring {r['whole_attention']}, sequence-squared "
+                   f"tensors {r['quadratic']}, recompiled {r['recompiled']}")
+    unexpected = [f for f in r["fallbacks"] if not any(op in f for op in member.mixes_tokens)]
+    absent = [op for op in member.mixes_tokens if not any(op in f for f in r["fallbacks"])]
+    if unexpected or absent:
+        bad.append(f"fallbacks: unexpected {unexpected}, declared but absent {absent}")
+    if r["sharded"] < member.min_sharded:
+        bad.append(f"sharded fraction {r['sharded']:.3f} < {member.min_sharded}")
+    if len(r["records"]) == 1:
+        if r["records"] != [r["explained"]]:
+            bad.append(f"explain {r['explained']} != runtime {r['records']}")
+    else:
+        bad += pieces_mismatches(r["records"], r["explained"])
+    return bad
+
+
+@pytest.mark.parametrize("name,world", CASES)
+def test_zoo_member_is_exact_ring_only_and_sharded(ranks, name, world):
+    per_rank = ranks.run(world, measure, name, timeout=300)
+    failures = {rank: p for rank, r in enumerate(per_rank) if (p := _problems(ZOO[name], r))}
+    assert not failures, f"{name} on {world} ranks: {failures}"
