@@ -57,6 +57,7 @@ from ..graph_inputs import user_name
 from .buffers import constant_band
 from .docs import Doc, doc_term, read_inputs_whole, steps_source
 from .index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
+from .lift import Rule, additive_parts, lift_term
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
 
@@ -77,17 +78,22 @@ class MaskKind:
     """What a mask means for the ring op: ``causal``; ``window`` W > 0 when each query also
     sees only its W most recent keys (``0 <= q - kv < W``), else -1; ``explicit``: the mask
     terms (old graph nodes, ANDed) the ring op must also apply as a tensor, or (); ``doc_ids``:
-    the old node of the per-position document ids X of a term ``X[b, q] == X[b, kv]``, or None."""
+    the old node of the per-position document ids X of a term ``X[b, q] == X[b, kv]``, or None;
+    ``rules`` / ``scores``: boolean / additive terms that are functions of positions (:mod:`.lift`),
+    for the ring op's mask_mod / score_mod."""
 
     causal: bool
     window: int = -1
     explicit: Tuple[fx.Node, ...] = ()
     doc_ids: Optional[fx.Node] = None
+    rules: Tuple[Rule, ...] = ()
+    scores: Tuple[Rule, ...] = ()
 
 
 def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
     """The meaning of the graph-built ``mask`` of ``sdpa`` (see the module docstring)."""
-    band, rest = _split(mask, {}, seq_len)
+    split = _split_additive(mask, seq_len)  # a float mask: keep terms and score rules
+    (band, rest), scores = split if split is not None else (_split(mask, {}, seq_len), [])
     docs = [t for t in rest if isinstance(t, Doc)]
     if len({d.ids for d in docs}) > 1:  # two different document terms: explicit (exact, O(S^2 / N))
         rest, docs = [t.term if isinstance(t, Doc) else t for t in rest], []
@@ -95,16 +101,56 @@ def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
         band, rest = _within_documents(mask, docs, band, rest, seq_len)
     kind = _band_kind(band, seq_len)
     if kind is None:  # a band the ring op cannot express: the whole mask is explicit
-        kind, rest, docs = MaskKind(causal=False), [mask], []
-    explicit = tuple(dict.fromkeys(t for t in rest if not isinstance(t, Doc)))  # each term once, in order
+        kind, rest, docs, scores = MaskKind(causal=False), [mask], [], []
+    rules = tuple(t for t in rest if isinstance(t, Rule))
+    explicit = tuple(dict.fromkeys(t for t in rest if not isinstance(t, (Doc, Rule))))  # each term once, in order
     doc_ids = docs[0].ids if docs else None
     if doc_ids is not None:
         read_inputs_whole(mask)  # X and the erased terms are computed from whole inputs (docs.py)
-    if explicit or doc_ids is not None:
-        log.info("cp_compile: attention at %s: mask %s = %s%s%s", source_line(sdpa), mask.name,
+    if explicit or doc_ids is not None or rules or scores:
+        log.info("cp_compile: attention at %s: mask %s = %s%s%s%s", source_line(sdpa), mask.name,
                  "causal" if kind.causal else "full", f" (window {kind.window})" if kind.window > 0 else "",
-                 f", documents {doc_ids.name}" if doc_ids is not None else "")
-    return MaskKind(kind.causal, kind.window, explicit, doc_ids)
+                 f", documents {doc_ids.name}" if doc_ids is not None else "",
+                 "".join(f", {what} rule {r.term.name}" for what, rs in (("mask", rules), ("score", scores)) for r in rs))
+    return MaskKind(kind.causal, kind.window, explicit, doc_ids, rules, tuple(scores))
+
+
+def _split_additive(mask: fx.Node, seq_len: int) -> Optional[Tuple[Tuple[Band, List[Any]], List[Rule]]]:
+    """((band, rest) of the keep terms, score rules) of a float mask whose every additive term is a
+    0 / -inf band or a function of positions (:mod:`.lift`); None otherwise (then the float mask is
+    one term, as before: explicit unless its values are a band)::
+
+        alibi.masked_fill(kv > q, -inf)   ->  (Band(hi=0), []), [Rule(alibi)]"""
+    made: List[fx.Node] = []
+    parts = additive_parts(mask, lambda target, args, like: _made(made, target, args, like))
+    if parts is None:
+        return None
+    keeps, adds = parts
+    band, scores = Band(), []
+    for a in adds:
+        bounds = constant_band(a, seq_len) if isinstance(a, fx.Node) else None
+        rule = lift_term(a, seq_len) if bounds is None and isinstance(a, fx.Node) else None
+        if bounds is None and rule is None:
+            for n in reversed(made):
+                mask.graph.erase_node(n)
+            return None
+        band, scores = (_intersect(band, Band(*bounds)), scores) if bounds is not None else (band, scores + [rule])
+    rest: List[Any] = []
+    memo: Dict[fx.Node, Abstract] = {}
+    for k in keeps:
+        b, r = _split(k, memo, seq_len)
+        band, rest = _intersect(band, b), rest + r
+    return (band, rest), scores
+
+
+def _made(made: List[fx.Node], target: Any, args: tuple, like: fx.Node) -> fx.Node:
+    """``target(*args)`` in the graph just before ``like``, with its fake value and source line."""
+    with like.graph.inserting_before(like):
+        node = like.graph.call_function(target, args)
+    node.meta.update({k: v for k, v in like.meta.items() if k in ("stack_trace", "source_fn_stack", "nn_module_stack")})
+    node.meta["example_value"] = target(*(fake_value(a) if isinstance(a, fx.Node) else a for a in args))
+    made.append(node)
+    return node
 
 
 _OFFSETS = (0, 1 << 20, -(1 << 20))  # offsets of a document's positions: a term read alike at each is exact
@@ -176,7 +222,10 @@ def _split(node: Any, memo: Dict[fx.Node, Abstract], seq_len: int) -> Tuple[Band
             memo[node] = doc
             return Band(), [doc]
         bounds = constant_band(node, seq_len) if isinstance(node, fx.Node) else None
-        return (Band(*bounds), []) if bounds is not None else (Band(), [node])
+        if bounds is not None:
+            return Band(*bounds), []
+        rule = lift_term(node, seq_len) if isinstance(node, fx.Node) else None  # a rule of positions
+        return Band(), [rule if rule is not None else node]
     if value == Flag(True) or value is True:
         return Band(), []
     if isinstance(value, Doc):

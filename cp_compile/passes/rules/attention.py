@@ -16,6 +16,7 @@ from ..context import CPRewriteError, global_shape, log, source_line
 from ..find_attention import SDPA_TARGETS, sdpa_arg
 from ..layouts import GLOBAL, Sharded
 from ..masks.docs import doc_ids_value, whole
+from ..masks.lift import ring_mods
 from ..masks.rows import explicit_mask
 
 
@@ -84,6 +85,8 @@ def sdpa(em, node: fx.Node):
         masks["attn_mask"] = explicit_mask(em, kind.explicit, node)
     if kind is not None and kind.doc_ids is not None:
         masks["doc_ids"] = doc_ids_value(em, kind.doc_ids, node)  # (B|1, S) whole, on every rank
+    if kind is not None:  # terms that are rules of positions: mask_mod / score_mod, O(S) leaves (masks/lift.py)
+        masks.update(ring_mods(em, kind.rules, kind.scores, node))
     scale = sdpa_arg(node, 6, "scale")
     if scale is None:
         scale = 1.0 / math.sqrt(global_shape(q)[-1])
