@@ -19,7 +19,12 @@ position order): each step hands the kernel this rank's and the visiting block's
 cut by global positions (:class:`BlockDocs`), and the kernel keeps only pairs of equal
 id. A step in which no query shares a document with a key it may see (by causality and
 padding) is not launched; inside a step the kernel skips the tiles whose document
-ranges do not meet. ``mask_mod`` / ``score_mod`` (``spec.mods``) are refused here.
+ranges do not meet.
+
+FlexAttention ``mask_mod`` / ``score_mod`` (``spec.mods``) go to a kernel with ``supports_mods`` (the
+Triton one compiles them into its step kernels, :mod:`cp_compile.kernels.triton.mods`), which checks them
+once, before the first step (:func:`_mods_kw`); a mod it cannot translate is refused there, naming the
+op and the fix. Every step the layout plans runs: the mask_mod masks inside the kernel.
 """
 
 from __future__ import annotations
@@ -111,13 +116,22 @@ def _window(spec: MaskSpec) -> int:
             "cp_compile: the Triton kernels take no explicit attn_mask (they mask by position). "
             "Fix: use kernel='aten' (CPU) or 'reference', or express the mask as causal / a sliding window."
         )
-    mods = getattr(spec, "mods", None)  # read with getattr: older MaskSpecs have no mods / doc_ids
-    if mods is not None and (getattr(mods, "mask_mod", None), getattr(mods, "score_mod", None)) != (None, None):
-        raise ValueError(
-            "cp_compile: the Triton kernels take no mask_mod / score_mod (they mask by position and document "
-            "id only). Fix: use kernel='aten' on CPU or kernel='reference', or pass packed documents as doc_ids=."
-        )
     return spec.window if spec.window > 0 else NO_LIMIT
+
+
+def _mods_kw(spec: MaskSpec, kernel, device: torch.device) -> dict:
+    """The steps' ``mods=`` argument ({} without mods), after the kernel translated them: a mod it cannot run is
+    refused here, before any collective, naming the op and the fix."""
+    mods = getattr(spec, "mods", None)  # read with getattr: older MaskSpecs have no mods / doc_ids
+    if mods is None or (getattr(mods, "mask_mod", None), getattr(mods, "score_mod", None)) == (None, None):
+        return {}
+    if not getattr(kernel, "supports_mods", False):
+        raise ValueError(
+            f"cp_compile: kernel {getattr(kernel, 'name', kernel)!r} takes no mask_mod / score_mod. "
+            "Fix: use kernel='triton' (GPU), kernel='aten' on CPU or kernel='reference'."
+        )
+    kernel.check_mods(mods, device)
+    return {"mods": mods}
 
 
 def _block_docs(spec: MaskSpec, kernel, pos: BlockPositions, batch: int, valid_len: int) -> Optional[BlockDocs]:
@@ -143,11 +157,12 @@ def ring_forward_fused(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: 
     pos = BlockPositions(c, group, load_balance, q.device, positions)
     limit = valid_len if valid_len >= 0 else NO_LIMIT
     docs = _block_docs(spec, kernel, pos, q.shape[0], valid_len)
+    mods = _mods_kw(spec, kernel, q.device)
     state = kernel.new_state(q)
     for _, src, k_src, v_src in kv_blocks(k, v, group, rotate):
         if _step_runs(causal, group, src, valid_len, pos, spec.window, docs):
             kernel.forward_step(q, k_src, v_src, state, pos(group.rank), pos(src), causal=causal, scale=scale,
-                                kv_limit=limit, window=window, **_doc_kw(docs, group.rank, src))
+                                kv_limit=limit, window=window, **_doc_kw(docs, group.rank, src), **mods)
     return kernel.finalize(state, q.dtype)
 
 
@@ -160,6 +175,7 @@ def ring_backward_fused(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     pos = BlockPositions(c, group, load_balance, q.device, positions)
     limit = valid_len if valid_len >= 0 else NO_LIMIT
     docs = _block_docs(spec, kernel, pos, q.shape[0], valid_len)
+    mods = _mods_kw(spec, kernel, q.device)
     dlt = kernel.delta(dout, out)  # (B, H, c) fp32
     lse = lse.float().contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, c, D), stays local
@@ -172,7 +188,7 @@ def ring_backward_fused(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         dv_src = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         kernel.backward_step(dout, q, k_src, v_src, lse, dlt, (dq, dk_src, dv_src), pos(group.rank), pos(src),
                              causal=causal, scale=scale, kv_limit=limit, window=window,
-                             **_doc_kw(docs, group.rank, src))
+                             **_doc_kw(docs, group.rank, src), **mods)
         sink.add(step, src, dk_src, dv_src)
     dk, dv = sink.finish()
     dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

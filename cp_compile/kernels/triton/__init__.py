@@ -20,12 +20,13 @@ only under ``TRITON_INTERPRET=1`` (tests). Head dims up to 256; any S_q, S_k; GQ
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
 from . import bwd, fwd
 from .configs import INTERPRET, Tiles
+from .mods import kernel_mods
 
 Tensor = torch.Tensor
 State = Tuple[Tensor, Tensor, Tensor]
@@ -46,7 +47,7 @@ class TritonKernel:
     fuses_merge = True
     supports_masks = False  # positions (causal, window, kv_limit) only; explicit masks: kernel='reference'
     supports_doc_ids = True  # forward_step / backward_step take q_doc= / k_doc= (packed documents)
-    supports_mods = False  # no mask_mod / score_mod: kernel='aten' (CPU) or 'reference'
+    supports_mods = True  # mask_mod / score_mod translated to Triton (.mods); untranslatable ones are refused
 
     def __init__(self, tiles: Optional[Tiles] = None) -> None:
         self.tiles = tiles
@@ -72,11 +73,17 @@ class TritonKernel:
     def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: State, q_pos: Tensor, k_pos: Tensor, *,
                      causal: bool, scale: float, kv_limit: int = fwd.NO_LIMIT, window: int = fwd.NO_LIMIT,
                      counter: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
-                     k_doc: Optional[Tensor] = None) -> None:
+                     k_doc: Optional[Tensor] = None, mods: Any = None) -> None:
         """Fold one visiting block into ``state`` (:func:`.fwd.forward_step`); ``q_doc``/``k_doc``
-        (B|1, S) int32: key j is visible to query i only if their document ids are equal."""
+        (B|1, S) int32: key j is visible to query i only if their document ids are equal; ``mods``:
+        FlexAttention mask_mod / score_mod with their buffers (:class:`cp_compile.ring.mods.Mods`)."""
         fwd.forward_step(q, k, v, state, q_pos, k_pos, causal=causal, scale=scale, kv_limit=kv_limit,
-                         window=window, counter=counter, tiles=self.tiles, q_doc=q_doc, k_doc=k_doc)
+                         window=window, counter=counter, tiles=self.tiles, q_doc=q_doc, k_doc=k_doc, mods=mods)
+
+    def check_mods(self, mods: Any, device: torch.device) -> None:
+        """Translate ``mods`` to Triton now (cached), so that a mod outside the translated op set is refused
+        before the ring starts: a ValueError naming the op and the fix (:mod:`.mods`)."""
+        kernel_mods(mods, device)
 
     def finalize(self, state: State, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         return fwd.finalize(state, dtype)
@@ -88,12 +95,12 @@ class TritonKernel:
                       grads: State, q_pos: Tensor, k_pos: Tensor, *, causal: bool, scale: float,
                       kv_limit: int = fwd.NO_LIMIT, window: int = fwd.NO_LIMIT,
                       counter: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
-                      k_doc: Optional[Tensor] = None) -> None:
-        """Add one visiting block's gradients into ``grads`` (:func:`.bwd.backward_step`); documents as
-        in :meth:`forward_step`."""
+                      k_doc: Optional[Tensor] = None, mods: Any = None) -> None:
+        """Add one visiting block's gradients into ``grads`` (:func:`.bwd.backward_step`); documents and
+        mods as in :meth:`forward_step`."""
         bwd.backward_step(dout, q, k, v, lse, dlt, grads, q_pos, k_pos, causal=causal, scale=scale,
                           kv_limit=kv_limit, window=window, counter=counter, tiles=self.tiles,
-                          q_doc=q_doc, k_doc=k_doc)
+                          q_doc=q_doc, k_doc=k_doc, mods=mods)
 
     # ---- block-kernel API: one step over local positions --------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:

@@ -28,32 +28,50 @@ int32 (as in :mod:`.fwd`).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .configs import BWD_KV_CONFIGS, BWD_Q_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
-from .fwd import NO_LIMIT, cast, doc_args, doc_rows, dot, key_rows, query_rows, tile_live, visible_pairs
+from .fwd import (NO_LIMIT, cast, doc_args, doc_rows, dot, key_rows, mask_tile, mod_positions, query_rows, tile_live,
+                  visible_pairs)
+from .mods import mod_args
 
 Tensor = torch.Tensor
 
 
 @triton.jit
-def _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
-           CAUSAL: tl.constexpr, DOCS: tl.constexpr, INTERP: tl.constexpr):
-    """P (BLOCK_M, BLOCK_N) fp32 of one tile: exp(scale q·k - lse) where visible, else 0."""
+def _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale, b, h, BUF0, BUF1, BUF2, BUF3,
+           CAUSAL: tl.constexpr, DOCS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+           INTERP: tl.constexpr):
+    """(P, dmod) (BLOCK_M, BLOCK_N) fp32 of one tile: P = exp(s' - lse) where visible, else 0, with
+    s' = score_mod(scale q·k) (or scale q·k) and dmod = ds'/ds (P again, unused, without a score_mod)."""
     t = dot(q, tl.trans(k), INTERP) * scale
     visible = visible_pairs(q_pos, k_pos, kv_limit, window, q_doc, k_doc, CAUSAL, DOCS)
+    visible = mask_tile(visible, b, h, q_pos, k_pos, kv_limit, BUF0, BUF1, BUF2, BUF3, MASK_MOD)
     visible = visible & (lse > float("-inf"))[:, None]
+    dmod = t
+    if SCORE_GRAD is not None:
+        q_idx, kv_idx = mod_positions(q_pos, k_pos, kv_limit)
+        t, dmod = SCORE_GRAD(t, b, h, q_idx, kv_idx, BUF0, BUF1, BUF2, BUF3)
     lse_ref = tl.where(lse > float("-inf"), lse, 0.0)
-    return tl.exp(tl.where(visible, t - lse_ref[:, None], float("-inf")))  # masked: exp(-inf) = 0
+    return tl.exp(tl.where(visible, t - lse_ref[:, None], float("-inf"))), dmod  # masked: exp(-inf) = 0
+
+
+@triton.jit
+def _dscores(p, dmod, dp, delta, SCORE_GRAD: tl.constexpr):
+    """dS = P ⊙ (dP - Δ), times ds'/ds with a score_mod (0 where P = 0: no 0 · inf)."""
+    ds = p * (dp - delta[:, None])
+    if SCORE_GRAD is not None:
+        ds = tl.where(p > 0.0, ds * dmod, 0.0)
+    return ds
 
 
 @triton.jit
 def _bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QDOC, KDOC,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, KPOS, QDOC, KDOC, BUF0, BUF1, BUF2, BUF3,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -62,6 +80,7 @@ def _bwd_dkdv(
     H, S_q, S_k, D, kv_limit, window, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_MOD: tl.constexpr = None, SCORE_GRAD: tl.constexpr = None,
 ):
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)  # b * H_kv + hk
@@ -91,11 +110,11 @@ def _bwd_dkdv(
                     row = (b * H + h) * S_q + offs_m
                     lse = tl.load(LSE + row, mask=m_ok, other=float("-inf"))
                     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
-                    p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
-                               CAUSAL, DOCS, INTERP)  # (BLOCK_M, BLOCK_N)
+                    p, dmod = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale, b, h, BUF0,
+                                     BUF1, BUF2, BUF3, CAUSAL, DOCS, MASK_MOD, SCORE_GRAD, INTERP)  # (BLOCK_M, BLOCK_N)
                     dv += dot(tl.trans(cast(p, do.dtype, INTERP)), do, INTERP)
                     dp = dot(do, tl.trans(v), INTERP)  # (BLOCK_M, BLOCK_N)
-                    ds = p * (dp - delta[:, None])
+                    ds = _dscores(p, dmod, dp, delta, SCORE_GRAD)
                     dk += dot(tl.trans(cast(ds, q.dtype, INTERP)), q, INTERP)
         acc_off = (pid_bk * S_k + offs_n)[:, None] * D + offs_d[None, :]
         tl.store(DK + acc_off, tl.load(DK + acc_off, mask=kv_mask, other=0.0) + dk * scale, mask=kv_mask)
@@ -104,7 +123,7 @@ def _bwd_dkdv(
 
 @triton.jit
 def _bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QDOC, KDOC, COUNTER,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, QDOC, KDOC, COUNTER, BUF0, BUF1, BUF2, BUF3,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -113,6 +132,7 @@ def _bwd_dq(
     H, S_q, S_k, D, kv_limit, window, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_MOD: tl.constexpr = None, SCORE_GRAD: tl.constexpr = None,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * H + h
@@ -137,9 +157,10 @@ def _bwd_dq(
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            p = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale, CAUSAL, DOCS, INTERP)
+            p, dmod = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale, b, h, BUF0, BUF1, BUF2,
+                             BUF3, CAUSAL, DOCS, MASK_MOD, SCORE_GRAD, INTERP)
             dp = dot(do, tl.trans(v), INTERP)
-            ds = p * (dp - delta[:, None])
+            ds = _dscores(p, dmod, dp, delta, SCORE_GRAD)
             dq += dot(cast(ds, k.dtype, INTERP), k, INTERP)
             if COUNT:
                 tl.atomic_add(COUNTER, 1)
@@ -147,8 +168,8 @@ def _bwd_dq(
     tl.store(DQ + acc_off, tl.load(DQ + acc_off, mask=qd_mask, other=0.0) + dq * scale, mask=qd_mask)
 
 
-_bwd_dkdv_tuned = triton.autotune(BWD_KV_CONFIGS, key=KEY, restore_value=["DK", "DV"])(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(BWD_Q_CONFIGS, key=KEY, restore_value=["DQ", "COUNTER"])(_bwd_dq)
+_bwd_dkdv_tuned = triton.autotune(BWD_KV_CONFIGS, key=KEY + ["SCORE_GRAD"], restore_value=["DK", "DV"])(_bwd_dkdv)
+_bwd_dq_tuned = triton.autotune(BWD_Q_CONFIGS, key=KEY + ["SCORE_GRAD"], restore_value=["DQ", "COUNTER"])(_bwd_dq)
 
 
 def delta(dout: Tensor, out: Tensor) -> Tensor:
@@ -175,27 +196,30 @@ def backward_step(
     tiles: Optional[Tiles] = None,
     q_doc: Optional[Tensor] = None,
     k_doc: Optional[Tensor] = None,
+    mods: Any = None,
 ) -> None:
     """Add this block's (dQ, dK, dV) contributions into ``grads`` = (dq, dk, dv) fp32, in place.
 
     dout, q: (B, H, S_q, D); k, v: (B, H_kv, S_k, D); lse, dlt: (B, H, S_q) fp32 (global
     lse, :func:`delta`); dq (B, H, S_q, D), dk/dv (B, H_kv, S_k, D) fp32 contiguous; q_doc
     (B|1, S_q), k_doc (B|1, S_k) int32 document ids or both None (:func:`.fwd.forward_step`).
-    ``counter`` counts the dQ kernel's computed tiles (tests).
+    ``counter`` counts the dQ kernel's computed tiles (tests); ``mods`` as in :func:`.fwd.forward_step`.
     """
     dq, dk, dv = grads
     b, h, s_q, d = q.shape
     h_kv, s_k = k.shape[1], k.shape[2]
     lse = lse.float().contiguous()
     docs = doc_args(q_doc, k_doc, q_pos, k_pos, b)
+    fns, buffers = mod_args(mods, q.device, q_pos)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), docs.q_stride, docs.k_stride,
               h, s_q, s_k, d, kv_limit, window, scale)
-    consts = dict(GROUP=h // h_kv, CAUSAL=causal, DOCS=docs.on, INTERP=INTERPRET, BLOCK_D=padded_head_dim(d))
+    consts = dict(GROUP=h // h_kv, CAUSAL=causal, DOCS=docs.on, INTERP=INTERPRET, BLOCK_D=padded_head_dim(d),
+                  MASK_MOD=fns.mask, SCORE_GRAD=fns.score_grad)
     kv_grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * h_kv)  # noqa: E731
     q_grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731
-    kv_args = (q, k, v, dout, lse, dlt, dk, dv, q_pos, k_pos, docs.q, docs.k, *common)
+    kv_args = (q, k, v, dout, lse, dlt, dk, dv, q_pos, k_pos, docs.q, docs.k, *buffers, *common)
     q_args = (q, k, v, dout, lse, dlt, dq, q_pos, k_pos, docs.q, docs.k, counter if counter is not None else q_pos,
-              *common)
+              *buffers, *common)
     fixed = fixed_tiles(tiles)
     if fixed is None:
         _bwd_dkdv_tuned[kv_grid](*kv_args, **consts)

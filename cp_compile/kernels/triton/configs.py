@@ -42,7 +42,7 @@ class Tiles:
 # programs small at test shapes, small enough to exercise several tiles per block.
 INTERPRETER_TILES = Tiles(32, 32)
 
-KEY = ["S_q", "S_k", "BLOCK_D", "CAUSAL", "DOCS"]
+KEY = ["S_q", "S_k", "BLOCK_D", "CAUSAL", "DOCS", "MASK_MOD"]  # + SCORE_MOD (forward) / SCORE_GRAD (backward)
 
 
 def _configs(pairs, warps, stages) -> List[triton.Config]:

@@ -46,13 +46,14 @@ int32 whose batch stride is 0 when one row of ids serves every batch row.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .configs import FWD_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
+from .mods import mod_args
 
 Tensor = torch.Tensor
 NO_LIMIT = 2**31 - 1  # kv_limit meaning "no padding"
@@ -148,11 +149,32 @@ def tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, 
 
 
 @triton.jit
-def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
-               CAUSAL: tl.constexpr, DOCS: tl.constexpr, INTERP: tl.constexpr):
+def mod_positions(q_pos, k_pos, kv_limit):
+    """(q_idx (BLOCK_M, 1), kv_idx (1, BLOCK_N)): the positions the mods see, padding (>= kv_limit) read
+    as the last real position, as on the CPU path (cp_compile.ring.masking.mod_positions)."""
+    return tl.minimum(q_pos, kv_limit - 1)[:, None], tl.minimum(k_pos, kv_limit - 1)[None, :]
+
+
+@triton.jit
+def mask_tile(visible, b, h, q_pos, k_pos, kv_limit, BUF0, BUF1, BUF2, BUF3, MASK_MOD: tl.constexpr):
+    """``visible`` AND the generated mask_mod (:mod:`.mods`) at global positions, if there is one."""
+    if MASK_MOD is not None:
+        q_idx, kv_idx = mod_positions(q_pos, k_pos, kv_limit)
+        visible = visible & MASK_MOD(b, h, q_idx, kv_idx, BUF0, BUF1, BUF2, BUF3)
+    return visible
+
+
+@triton.jit
+def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale, b, h,
+               BUF0, BUF1, BUF2, BUF3, CAUSAL: tl.constexpr, DOCS: tl.constexpr, MASK_MOD: tl.constexpr,
+               SCORE_MOD: tl.constexpr, INTERP: tl.constexpr):
     """The online-softmax update of (acc (BLOCK_M, BLOCK_D), m, l (BLOCK_M,)) by one key tile."""
     t = dot(q, tl.trans(k), INTERP) * scale  # (BLOCK_M, BLOCK_N) fp32 logits
     visible = visible_pairs(q_pos, k_pos, kv_limit, window, q_doc, k_doc, CAUSAL, DOCS)
+    visible = mask_tile(visible, b, h, q_pos, k_pos, kv_limit, BUF0, BUF1, BUF2, BUF3, MASK_MOD)
+    if SCORE_MOD is not None:
+        q_idx, kv_idx = mod_positions(q_pos, k_pos, kv_limit)
+        t = SCORE_MOD(t, b, h, q_idx, kv_idx, BUF0, BUF1, BUF2, BUF3)
     t = tl.where(visible, t, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(t, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows still keyless: no -inf - -inf
@@ -164,7 +186,7 @@ def _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, q_doc, k_
 
 @triton.jit
 def _fwd_step(
-    Q, K, V, ACC, M, L, QPOS, KPOS, QDOC, KDOC, COUNTER,
+    Q, K, V, ACC, M, L, QPOS, KPOS, QDOC, KDOC, COUNTER, BUF0, BUF1, BUF2, BUF3,
     s_qb, s_qh, s_qm, s_qd,
     s_kb, s_kh, s_kn, s_kd,
     s_vb, s_vh, s_vn, s_vd,
@@ -172,6 +194,7 @@ def _fwd_step(
     H, S_q, S_k, D, kv_limit, window, scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr, INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_MOD: tl.constexpr = None, SCORE_MOD: tl.constexpr = None,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * H + h
@@ -203,7 +226,7 @@ def _fwd_step(
             k = tl.load(k_base + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
             acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale,
-                                       CAUSAL, DOCS, INTERP)
+                                       b, h, BUF0, BUF1, BUF2, BUF3, CAUSAL, DOCS, MASK_MOD, SCORE_MOD, INTERP)
             if COUNT:
                 tl.atomic_add(COUNTER, 1)
 
@@ -230,7 +253,8 @@ def _finalize(ACC, M, L, OUT, LSE, n_rows, D, INTERP: tl.constexpr, BLOCK_R: tl.
     tl.store(LSE + rows, lse, mask=r_ok)
 
 
-_fwd_step_tuned = triton.autotune(FWD_CONFIGS, key=KEY, restore_value=["ACC", "M", "L", "COUNTER"])(_fwd_step)
+_fwd_step_tuned = triton.autotune(FWD_CONFIGS, key=KEY + ["SCORE_MOD"],
+                                  restore_value=["ACC", "M", "L", "COUNTER"])(_fwd_step)
 
 
 class DocArgs(NamedTuple):
@@ -294,25 +318,28 @@ def forward_step(
     tiles: Optional[Tiles] = None,
     q_doc: Optional[Tensor] = None,
     k_doc: Optional[Tensor] = None,
+    mods: Any = None,
 ) -> None:
     """Merge ``q`` attending to the block ``k``/``v`` into ``state`` (from :func:`new_state`) in place.
 
     q: (B, H, S_q, D); k, v: (B, H_kv, S_k, D); q_pos (S_q,), k_pos (S_k,) int32 global
     positions; q_doc (B|1, S_q), k_doc (B|1, S_k) int32 document ids, or both None.
-    ``counter`` (int32 (1,)) counts the tiles computed, for tests.
+    ``counter`` (int32 (1,)) counts the tiles computed, for tests. ``mods``: FlexAttention mods with
+    their buffers (:class:`cp_compile.ring.mods.Mods`), run inside the kernel (:mod:`.mods`).
     """
     acc, m, l = state
     b, h, s_q, d = q.shape
     s_k = k.shape[2]
     docs = doc_args(q_doc, k_doc, q_pos, k_pos, b)
+    fns, buffers = mod_args(mods, q.device, q_pos)
     grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731
     args = (
-        q, k, v, acc, m, l, q_pos, k_pos, docs.q, docs.k, counter if counter is not None else q_pos,
+        q, k, v, acc, m, l, q_pos, k_pos, docs.q, docs.k, counter if counter is not None else q_pos, *buffers,
         *q.stride(), *k.stride(), *v.stride(), docs.q_stride, docs.k_stride,
         h, s_q, s_k, d, kv_limit, window, scale,
     )
     consts = dict(GROUP=h // k.shape[1], CAUSAL=causal, DOCS=docs.on, COUNT=counter is not None, INTERP=INTERPRET,
-                  BLOCK_D=padded_head_dim(d))
+                  BLOCK_D=padded_head_dim(d), MASK_MOD=fns.mask, SCORE_MOD=fns.score)
     fixed = fixed_tiles(tiles)
     if fixed is None:
         _fwd_step_tuned[grid](*args, **consts)
