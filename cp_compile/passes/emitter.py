@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape
-from .layouts import GLOBAL, Layout, Sharded
+from .layouts import GLOBAL, Layout, Local, Sharded
 from .seqindex import SeqIndex
 
 
@@ -47,8 +47,9 @@ class Emitter:
         return self.layouts.get(arg) if isinstance(arg, fx.Node) else None
 
     def sharded_inputs(self, node: fx.Node) -> bool:
+        """Whether ``node`` reads a Sharded value, or a Local one (rows selected from this rank's tokens)."""
         flat, _ = tree_flatten((node.args, node.kwargs))
-        return any(isinstance(self.layout(a), Sharded) for a in flat)
+        return any(isinstance(self.layout(a), (Sharded, Local)) for a in flat)
 
     # -- emitting ---------------------------------------------------------------
     def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:

@@ -6,6 +6,7 @@ Every tensor value of a rewritten graph has one layout:
 |-----------------|-----------------------------------------------------------------------|
 | ``GLOBAL``      | the same full value on every rank (weights, positions, a gathered tensor, the loss) |
 | ``Sharded(d, inner)`` | this rank's tokens along dim d, in load-balanced order. ``inner`` > 1 when d is a merged dim whose index is ``outer * (c * inner) + token * inner + rest`` (e.g. logits viewed (B*S, V): inner = 1; (B, S*H) would be inner = H) |
+| ``Local(d, token)`` | rows along dim d are a data-dependent selection of this rank's tokens (``torch.where`` / ``nonzero`` on a Sharded mask: MoE routing), in no global order; ``token = (size, inner)`` when the values are indices into this rank's rows of a Sharded dim of that global size and inner (rules/routing.py) |
 
 One could tell a replicated value from a full-sequence one (``Replicated`` vs ``Full(d)``);
 the rewrite does not need to (docs/design.md §6):
@@ -37,8 +38,16 @@ class Sharded:
     inner: int = 1
 
 
+@dataclass(frozen=True)
+class Local:
+    """Rows along ``dim`` selected from this rank's tokens by data (see the module docstring)."""
+
+    dim: int
+    token: Optional[Tuple[int, int]] = None  # (global size, inner) of the token dim the values index
+
+
 GLOBAL = Global()
-Layout = Union[Global, Sharded]
+Layout = Union[Global, Sharded, Local]
 
 
 def _groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> List[Tuple[range, range]]:

@@ -139,8 +139,11 @@ def _in_place(node: fx.Node) -> bool:
 
 def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
     dims = _seq_dims(em, node)
-    S = em.ctx.seq_len
-    traced = _aten_graph(node, (S, em.ctx.padded_len))
+    S, G = em.ctx.seq_len, _token_len(em, node)
+    if G is None:
+        return None
+    outer = G // S  # > 1: tokens flattened with outer dims, e.g. (B·S, D) rows (inner 1)
+    traced = _aten_graph(node, tuple({S, em.ctx.padded_len, G, outer * em.ctx.padded_len}))
     if traced is None:
         return None
     graph, tensors, placeholders = traced
@@ -149,12 +152,20 @@ def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
     for _ in range(len(whole) + 1):  # each round may shard one more whole input, then re-runs
         out, want = propagate(graph, seq, em.ctx.world)
         if want is None:
-            return _finish(out, graph, seq, whole, S)
+            return _finish(out, graph, seq, whole, G)
         p, d = want
-        if p not in whole or p in seq or tuple(p.meta["val"].shape)[d] != S:
+        if p not in whole or p in seq or tuple(p.meta["val"].shape)[d] != G:
             return None  # a whole value that is not a per-position table of the node's inputs
         seq[p] = d
     return None
+
+
+def _token_len(em: "Emitter", node: fx.Node) -> Optional[int]:
+    """The one global size of the Sharded inputs' token dims: S, or outer·S for tokens flattened
+    with outer dims (inner 1: the rows of a (B·S, D) view); None when they differ."""
+    sizes = {global_shape(a)[lay.dim] for a in _leaves(node)[0] if isinstance(lay := em.layout(a), Sharded)}
+    S = em.ctx.seq_len
+    return sizes.pop() if len(sizes) == 1 and next(iter(sizes)) % S == 0 else None
 
 
 def _aten_graph(node: fx.Node, lengths: Tuple[int, ...]) -> Optional[Tuple[fx.GraphModule, List[int], List[fx.Node]]]:
@@ -174,7 +185,8 @@ def _aten_graph(node: fx.Node, lengths: Tuple[int, ...]) -> Optional[Tuple[fx.Gr
 
 def _finish(out: Any, graph: fx.GraphModule, seq: Dict[fx.Node, int], whole: Dict[fx.Node, int],
             S: int) -> Optional[Verdict]:
-    """The verdict from the output placements (every tensor output Shard(d) along a dim of size S)."""
+    """The verdict from the output placements (every tensor output Shard(d) along a dim of the
+    token length ``S``: the sequence length, or outer·S for flattened tokens)."""
     from torch.distributed.tensor import Shard
 
     if out is None:

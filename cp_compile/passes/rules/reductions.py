@@ -33,7 +33,9 @@ def reduction(em: Emitter, node: fx.Node):
     local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], 0.0)  # padding adds nothing
     total = em.method("sum", local, dims, keep)
     if name == "mean":  # / global count: the other reduced dims' sizes times S
-        count = em.index.S()
+        count = em.index.S()  # times outer·inner when the tokens are flattened with other dims (B·S rows)
+        merged = global_shape(x)[s.dim] // em.ctx.seq_len
+        count = count if merged == 1 else em.index.op(operator.mul, count, merged)
         for d in dims:
             if d != s.dim:
                 count = em.index.op(operator.mul, count, em.method("size", em.env[x], d))

@@ -110,12 +110,25 @@ def concat(em: Emitter, node: fx.Node):
     nd = _ndim(tensors[0])
     seq_dim, inner = lays.pop() if len(lays) == 1 else (None, 1)
     is_stack = node.target is torch.stack
+    if not is_stack and seq_dim is not None and _norm(dim, nd) == seq_dim and _flattened_tokens(em, tensors, seq_dim):
+        # rows of flattened tokens (B·S, ...) stacked: locally (outer_1 + outer_2 + ...)·c rows, outer-major
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(seq_dim, inner)
     if seq_dim is None or (not is_stack and _norm(dim, nd) == seq_dim):
         return em.fallback(node, f"{_name(node)} along the sequence dim")
     conv = {t: em.to_sharded(t, seq_dim, inner) for t in tensors if not _sharded(em, t)}
     new_list = [conv.get(t, em.env[t]) for t in tensors]
     out_dim = seq_dim + (1 if is_stack and _norm(dim, nd + 1) <= seq_dim else 0)
     return em.copy(node, (new_list, *em.value(node.args[1:])), em.value(node.kwargs)), Sharded(out_dim, inner)
+
+
+def _flattened_tokens(em: Emitter, tensors: list, dim: int) -> bool:
+    """Every operand Sharded along ``dim`` with the tokens merged below outer dims (size outer·S·inner,
+    outer > 1: the rows of ``x.view(-1, D)``): a cat along ``dim`` then only stacks more outer blocks."""
+    lays = [_sharded(em, t) for t in tensors]
+    if not all(lays):
+        return False
+    S = em.ctx.seq_len
+    return all(global_shape(t)[dim] > S * s.inner for t, s in zip(tensors, lays))
 
 
 def _is_empty(t: Any) -> bool:
