@@ -7,7 +7,8 @@ visiting block into it inside the kernel (:mod:`.fwd`), and accumulate dQ/dK/dV 
 fp32 buffers in place (:mod:`.bwd`). Masks come from the global positions of the
 query and key rows (and, for packed documents, from per-row document ids), so one
 kernel serves every layout, padding included, and tiles with no visible pair are
-skipped.
+skipped. FlexAttention ``mask_mod`` / ``score_mod`` are translated to Triton functions
+that the kernels call on each tile (:mod:`.mods`).
 
 The ring loops use the step API (:class:`cp_compile.kernels.base.StepKernel`); the
 plain ``forward``/``backward`` of the block-kernel interface are provided too (one

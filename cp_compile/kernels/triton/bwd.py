@@ -21,6 +21,8 @@ a fixed order (bit-reproducible):
 Masking and tile skipping are the forward's (:mod:`.fwd`): by global positions, with
 ``kv_limit`` marking padding, ``window`` a sliding window and, with ``DOCS``, document ids
 (equal ids only; tiles whose document ranges do not meet are skipped). Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
+With mods (``MASK_MOD``, ``SCORE_GRAD`` from :mod:`.mods`): the forward's mask, ``P = exp(s' - lse)``
+with ``s' = score_mod(s)``, and ``dS = P ⊙ (dP - Δ) ⊙ ds'/ds`` (0 where P = 0).
 Q, K, V, dO: (B, H(_kv), S, D) any strides; DQ, DK, DV fp32 contiguous; LSE, DELTA
 (B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32; QDOC (B|1, S_q), KDOC (B|1, S_k)
 int32 (as in :mod:`.fwd`).
