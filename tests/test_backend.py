@@ -103,17 +103,33 @@ def test_llama_on_four_ranks(ranks):
         assert summary["all_reduce_sum"] == 2  # loss sum and valid-label count, nothing else
 
 
-def test_label_shift_inside_model_is_exact_and_warns_once(ranks):
+def test_label_shift_inside_model_is_exact_without_a_gather(ranks):
+    """logits[:, :-1] against labels[:, 1:]: the loss runs on the whole logits with the labels
+    padded by ignore_index (passes/loss_shift.py), so nothing is gathered (tests/test_zoo_shift.py)."""
     for loss_err, grad_err, fallbacks, summary in ranks.run(2, _compare, "llama_factory", {"shift_labels_inside": True}, {}):
         assert loss_err <= TOL and grad_err <= TOL
-        assert fallbacks == 1 and summary["gather_seq"] == 1  # the logits[:, :-1] slice gathers once
+        assert fallbacks == 0 and summary["gather_seq"] == 0
+
+
+class _RunningSum(torch.nn.Module):
+    """Tokens mixed outside attention: a running sum over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).cumsum(dim=1)  # (B, S, 16)
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)  # (B, 2, S, 8) each
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
 
 def _strict_error():
     torch._dynamo.reset()
-    model, inputs = models.llama_factory(shift_labels_inside=True)
+    model = _RunningSum()
     try:
-        torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager", strict=True), fullgraph=True)(*inputs)
+        backend = cp_compile.RingCP(inner="aot_eager", strict=True)
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randint(0, 32, (2, 16)))
     except Exception as e:  # Dynamo wraps backend errors
         return f"{type(e).__name__}: {e}"
     return None
@@ -121,8 +137,8 @@ def _strict_error():
 
 def test_strict_refuses_token_mixing_with_op_and_source_line(ranks):
     for msg in ranks.run(2, _strict_error):
-        assert msg is not None and "slicing the sequence dim" in msg
-        assert "models.py:" in msg and "logits[:, :-1" in msg and "strict=True" in msg
+        assert msg is not None and "cumsum" in msg
+        assert "test_backend.py:" in msg and ".cumsum(dim=1)" in msg and "strict=True" in msg
 
 
 def _grad_sync_none():
@@ -236,7 +252,7 @@ def test_graph_break_between_layers_stays_exact(ranks):
     "world,factory,kw",
     [
         (2, "llama_factory", {"seq_len": 61}),  # causal: padding at the end is never visible
-        (4, "llama_factory", {"seq_len": 50, "shift_labels_inside": True}),  # padding + a gathered slice
+        (4, "llama_factory", {"seq_len": 50, "shift_labels_inside": True}),  # padding + a label shift inside
         (2, "encoder_factory", {"seq_len": 30}),  # non-causal: padded keys must be masked out
         (4, "gpt2_factory", {"seq_len": 37}),
     ],

@@ -109,7 +109,7 @@ def _compare_dynamic(factory: str, kw: dict):
      ("llama_factory", {"seq_len": 50, "shift_labels_inside": True, "gqa_mode": "expand"})],
 )
 def test_dynamic_shapes_on_other_models(ranks, factory, kw):
-    """Symbolic S through absolute positions, non-causal padding masks, a gathered label shift."""
+    """Symbolic S through absolute positions, non-causal padding masks, a label shift inside the model."""
     for loss_err, grad_err in ranks.run(2, _compare_dynamic, factory, kw):
         assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
 

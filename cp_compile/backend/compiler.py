@@ -30,6 +30,7 @@ from ..passes.expand_mha import expand_mha
 from ..passes.find_attention import find_attention
 from ..passes.fuse_attention import fuse_attention
 from ..passes.grad_share import share_parameter_grads
+from ..passes.loss_shift import move_loss_slices
 from ..passes.nested import refuse_nested_tensors
 from ..passes.rewrite import rewrite_graph
 from ..passes.repropagate import repropagate
@@ -173,6 +174,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
         find_unsplit_attention(gm, ctx)  # attention in another form: a WARNING, or an error under strict
         ctx.record = record_graph(gm, None, ctx)
         return None
+    move_loss_slices(gm, ctx)  # loss(logits[:, :-1], y): loss(logits, y padded by ignore_index), no slice
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = {n.name: t for n, t in zip(placeholders, example_inputs)}
     choose_seq_inputs(gm, ctx, examples)

@@ -16,6 +16,9 @@
    No attention: :mod:`.unsplit` warns about attention it cannot split, and the graph is
    compiled unchanged (under ``grad_sync="none"`` :mod:`.grad_share` scales its parameter
    gradients to this rank's 1/N share);
+2b. :mod:`.loss_shift` — a class loss read through a slice of the sequence (a label shift
+   inside the model, ``logits[:, :-1]`` against ``labels[:, 1:]``) becomes the same loss on
+   the whole sequence with its targets padded by ``ignore_index``: no slice of sharded logits;
 3. :mod:`.seq_inputs` — which graph inputs carry the sequence, and along which dim;
    :mod:`.seq_origins` — where none does, the nodes where the sequence arises;
 4. :mod:`.rewrite` — sequence-layout propagation emitting the per-rank graph: rules in

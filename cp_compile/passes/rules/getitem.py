@@ -4,6 +4,7 @@
     x (B, S/N, D) Sharded(1)  x[:, 0:]        -> Sharded(1)                      (a slice covering all of S)
     x (B, S/N, D) Sharded(1)  x[:, i]         -> (B, D) Global                   (one position: cls / last token)
         = all_reduce_sum(where(positions == i, x, 0).sum(1))   O(B·D) traffic, no gather of x
+    ids (B, S/N) Sharded(1)   ids[:, 1:]      -> (B, S-1) Global: the whole input every rank was passed
     x (B, S/N, D) Sharded(1)  x[:, 1:5]       -> gather, then index (fallback, warned)
 
 Picking one position: the rank holding global position ``i`` contributes its row, every
@@ -11,6 +12,10 @@ other rank zeros, and the sum over the group is that row, exactly (a sum of one 
 and zeros). The all-reduce's backward hands each rank the gradient of its share, so the
 row's gradient lands on the rank that holds it. Bool values (which ``sum`` would turn
 into integers) are gathered instead.
+
+Slicing a sequence input that every rank was passed whole (``inputs="full"``; labels
+``idx[:, 1:]`` when the model reads its targets from the token ids) slices that whole
+value: it costs nothing, and the result is Global.
 """
 
 from __future__ import annotations
@@ -43,10 +48,22 @@ def getitem(em: Any, node: fx.Node):
             if type(i) is int and s.inner == 1 and node.meta.get("example_value", None) is not None \
                     and node.meta["example_value"].dtype is not torch.bool:
                 return _pick_position(em, x, s, index, at, i), GLOBAL
+            whole = _whole_input(em, x)
+            if whole is not None:  # every rank was passed this input whole: slice that, no communication
+                return em.copy(node, (whole, em.value(node.args[1])), {}), GLOBAL
             return em.fallback(node, f"slicing the sequence dim with {i!r}")
         out_dim += 0 if isinstance(i, int) else 1
         in_dim += 1
     return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
+
+
+def _whole_input(em: Any, x: fx.Node) -> Optional[fx.Node]:
+    """The whole value of sequence input ``x`` that every rank was passed (``inputs="full"``) and that
+    needs no gradient (so it skips no gradient sync), as a node of the new graph; else None."""
+    val = x.meta.get("example_value")
+    if x.op != "placeholder" or em.ctx.inputs != "full" or not isinstance(val, torch.Tensor) or val.requires_grad:
+        return None
+    return next(n for n in em.graph.nodes if n.op == "placeholder" and n.target == x.target)
 
 
 def _pick_position(em: Any, x: fx.Node, s: Sharded, index: tuple, at: int, i: int) -> fx.Node:
