@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import graph_ops
 
@@ -120,16 +121,35 @@ def activation_bytes(gm: fx.GraphModule, key: str, seq_scale: Optional[Tuple[Any
     value (under ``inputs="local"`` the traced graph has this rank's length: k = N gives the
     one-device figure)."""
     size = nbytes if seq_scale is None else (lambda v: _scaled_nbytes(v, *seq_scale))
+    inputs = _input_storages(gm, key)
     total = 0
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output") or node_kind(n) in ("grad_all_reduce",
                                                                                "grad_all_reduce_bucket"):
             continue
+        if _storage(n.meta.get(key)) in inputs:
+            continue  # a view of an input, parameter or buffer (an image's patches viewed) holds no bytes
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
                 and node_kind(n.args[0]) == "grad_all_reduce_bucket":
             continue
         total += size(n.meta.get(key))
     return total
+
+
+def _storage(val: Any) -> Any:
+    """A weak reference to a (fake) tensor's storage, comparable across views; None otherwise."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # a tensor subclass without a storage
+        return None
+
+
+def _input_storages(gm: fx.GraphModule, key: str) -> set:
+    """The storages of the graph's inputs and attributes (what views of them alias)."""
+    found = {_storage(n.meta.get(key)) for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}
+    return found - {None}
 
 
 def _scaled_nbytes(val: Any, length: Any, k: int) -> int:

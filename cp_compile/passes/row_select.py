@@ -20,7 +20,11 @@ Two moves, applied recursively from the origin:
   (so its parameters still reach the gradient all-reduce on every rank);
 * a per-token op (decided by the rule oracle, :func:`.oracle.rows_from_inputs`: DTensor
   propagation says the selected dim's rows come from the same rows of some inputs):
-  the op runs on those inputs' selected rows.
+  the op runs on those inputs' selected rows;
+* a reshape that merges dims of its input into the selected dim (the patches of an opened
+  patch convolution, :mod:`.patch_conv`: (B, h, w, C, p, q) -> (B, h·w, C·p·q)): the input
+  is indexed at the unravelled positions, ``v[:, i_h, i_w]`` (B, c, C, p, q), and reshaped
+  to (B, c, C·p·q); only this rank's patches are read (``v`` is a view of the image).
 
 A value used elsewhere too (more than one user), a graph input, or anything else is
 indexed where it stands (``index_select``). Needs static shapes (the per-piece positions
@@ -31,6 +35,8 @@ walk had already emitted for the nodes moved past are erased when nothing else u
 
 from __future__ import annotations
 
+import math
+import operator
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -82,6 +88,10 @@ class _Select:
         if inputs:
             self.passed.append(old)
             return self._per_token(old, inputs, idx)
+        merged = _merged_dims(old, dim) if movable else None
+        if merged is not None:
+            self.passed.append(old)
+            return self._unravel(old, dim, merged, idx)
         return em.method("index_select", em.env[old], dim, em.const(f"_cp_rows{len(em._consts)}", idx))
 
     def _cat(self, pieces: List[fx.Node], dim: int, idx: torch.Tensor) -> fx.Node:
@@ -95,12 +105,44 @@ class _Select:
             start += size
         return self.em.call(torch.cat, parts, dim)
 
+    def _unravel(self, old: fx.Node, dim: int, sizes: Tuple[int, ...], idx: torch.Tensor) -> fx.Node:
+        """``old``'s rows ``idx`` read off the input it reshapes: ``src[..., i_0, i_1, ...]``
+        at the unravelled positions (adjacent index tensors keep their place), then the
+        reshape with ``c`` rows."""
+        em, src = self.em, _reshape_source(old)
+        parts = torch.unravel_index(idx, sizes)  # one (c,) index per merged dim
+        consts = [em.const(f"_cp_rows{len(em._consts)}", p.clone()) for p in parts]
+        picked = em.call(operator.getitem, em.env[src], (slice(None),) * dim + tuple(consts))  # (.., c, rest)
+        shape = list(global_shape(old))
+        shape[dim] = len(idx)
+        return em.method("reshape", picked, tuple(shape))
+
     def _per_token(self, old: fx.Node, inputs: Dict[int, int], idx: torch.Tensor) -> fx.Node:
         """``old`` re-emitted on the selected rows of the inputs that carry them."""
         leaves, spec = tree_flatten((old.args, old.kwargs))
         new = [self.rows(a, inputs[i], idx) if i in inputs else self.em.value(a) for i, a in enumerate(leaves)]
         args, kwargs = tree_unflatten(new, spec)
         return self.em.graph.create_node(old.op, old.target, tuple(args), dict(kwargs))
+
+
+def _merged_dims(node: fx.Node, dim: int) -> Optional[Tuple[int, ...]]:
+    """The sizes of the input dims ``node`` (a row-major reshape) merges into its ``dim``, when
+    the dims before ``dim`` stay as they are and more than one input dim merges, else None."""
+    src = _reshape_source(node)
+    ins, out = (global_shape(src), global_shape(node)) if src is not None else (None, None)
+    if ins is None or out is None or tuple(ins[:dim]) != tuple(out[:dim]):
+        return None
+    for end in range(dim + 2, len(ins) + 1):
+        if math.prod(ins[dim:end]) == out[dim] and math.prod(ins[end:]) == math.prod(out[dim + 1:]):
+            return tuple(ins[dim:end])
+    return None
+
+
+def _reshape_source(node: fx.Node) -> Optional[fx.Node]:
+    """The tensor ``node`` reshapes in row-major order (``view``, ``reshape``, ``flatten``), else None."""
+    method = node.op == "call_method" and node.target in ("view", "reshape", "flatten")
+    function = node.op == "call_function" and node.target in (torch.reshape, torch.flatten)
+    return node.args[0] if (method or function) and isinstance(node.args[0], fx.Node) else None
 
 
 def _cat_pieces(node: fx.Node, dim: int) -> Optional[List[fx.Node]]:

@@ -15,7 +15,9 @@ takes at least one tensor, and takes none with a dim of size S (so the sequence 
 there: factories such as ``arange(S)`` are left to the position rule, which indexes them
 where they meet sharded values). The rewrite selects the rows as far upstream as is cheap
 (:mod:`.row_select`): into the pieces of a ``cat`` and through the per-token ops that made
-them, so with static shapes each rank embeds only its own patches.
+them, so with static shapes each rank embeds only its own patches. A patch-embedding
+convolution (stride = kernel) upstream is first opened into patches + linear
+(:mod:`.patch_conv`), so the selection reaches the image: each rank reads only its patches.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.fx as fx
 
 from .context import RewriteContext, global_shape, log, source_line
 from .find_attention import qkv_args
+from .patch_conv import open_patch_convs
 from .seq_inputs import _dataflow
 
 
@@ -47,6 +50,9 @@ def choose_seq_origins(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     flow = _dataflow(gm)
     qkv = {n for a in ctx.attention for n in qkv_args(a)}
     feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv))
+    if ctx.seq_sym is None and open_patch_convs(gm, ctx, feeds):  # per-patch convolutions: patches + linear
+        flow = _dataflow(gm)
+        feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv))
     for node in gm.graph.nodes:  # graph order: the earliest origins first
         dim = _origin_dim(node, ctx.seq_len) if node in feeds else None
         if dim is not None:
