@@ -9,6 +9,8 @@ ring's own CPU evaluation of the same mods (:class:`cp_compile.ring.mods.Mods`, 
   score_mods ALiBi (``slopes[h]`` buffer) and soft-cap (tanh, derivative generated), alone and
   together, with position masks, local and zig-zag cross-block positions, padding and GQA:
   fp32 <= 1e-5 relative on out, lse, dq, dk, dv;
+- tile skipping: the forward and dQ kernels compute exactly the tiles with a pair visible under a
+  document mask_mod (their debug counters against a brute-force count);
 - a mod exercising the rest of the translated op set (floor division and remainder of negative
   numbers, fmod, where, sigmoid, exp, log, sqrt, rsqrt, abs, clamp, maximum, dtype conversions,
   a 2-D buffer at computed indices, a captured tensor), forward and backward;
@@ -103,6 +105,26 @@ def test_step_with_mods_matches_fp64(case):
     want = reference(q, k, v, dout, q_pos, k_pos, mods, causal=causal, kv_limit=limit)
     got = run_step(TritonKernel(T16), q, k, v, dout, q_pos, k_pos, mods, causal=causal, kv_limit=limit)
     check_fp32(got, want, f"{mask}+{score} causal={causal} limit={limit}")
+
+
+def test_tiles_a_mask_mod_masks_wholly_are_skipped():
+    """The forward and dQ kernels compute exactly the (query tile, key tile) pairs, per batch row and head,
+    with a pair visible under the document mask_mod (brute force), fewer than the position rules keep."""
+    mods, pos = make_mods("document", "softcap", 48), torch.arange(48)
+    q, k, v, dout = inputs(2, 2, 1, 48, 48, 16, seed=60)
+    counters = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    kern, p32 = TritonKernel(T16), pos.to(torch.int32)
+    state = kern.new_state(q)
+    kern.forward_step(q, k, v, state, p32, p32, causal=True, scale=SCALE, counter=counters[0], mods=mods)
+    out, lse = kern.finalize(state, q.dtype)
+    grads = zero_grads(q, k)
+    kern.backward_step(dout, q, k, v, lse, kern.delta(dout, out), grads, p32, p32, causal=True, scale=SCALE,
+                       counter=counters[1], mods=mods)
+    check_fp32((out, lse, *grads), reference(q, k, v, dout, pos, pos, mods, causal=True), "document tiles")
+    vis = mods.mask(2, 2, pos, pos) & (pos[None, :] <= pos[:, None])  # (B, H, 48, 48)
+    tiles = vis.unflatten(2, (3, 16)).unflatten(4, (3, 16)).any(-1).any(-2)  # (B, H, 3, 3)
+    causal_tiles = 2 * 2 * 6  # the tiles on or below the diagonal, per (b, h)
+    assert counters[0].item() == counters[1].item() == int(tiles.sum()) < causal_tiles, (counters, tiles.sum())
 
 
 BIAS = torch.linspace(-1.0, 1.0, 16).reshape(4, 4)  # captured by sink_score: a constant of its own slot

@@ -21,8 +21,8 @@ a fixed order (bit-reproducible):
 Masking and tile skipping are the forward's (:mod:`.fwd`): by global positions, with
 ``kv_limit`` marking padding, ``window`` a sliding window and, with ``DOCS``, document ids
 (equal ids only; tiles whose document ranges do not meet are skipped). Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
-With mods (``MASK_MOD``, ``SCORE_GRAD`` from :mod:`.mods`): the forward's mask, ``P = exp(s' - lse)``
-with ``s' = score_mod(s)``, and ``dS = P ⊙ (dP - Δ) ⊙ ds'/ds`` (0 where P = 0).
+With mods (``MASK_MOD``, ``SCORE_GRAD`` from :mod:`.mods`): the forward's mask and tile skipping,
+``P = exp(s' - lse)`` with ``s' = score_mod(s)``, and ``dS = P ⊙ (dP - Δ) ⊙ ds'/ds`` (0 where P = 0).
 Q, K, V, dO: (B, H(_kv), S, D) any strides; DQ, DK, DV fp32 contiguous; LSE, DELTA
 (B, H, S_q) fp32 contiguous; QPOS (S_q,), KPOS (S_k,) int32; QDOC (B|1, S_q), KDOC (B|1, S_k)
 int32 (as in :mod:`.fwd`).
@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from .configs import BWD_KV_CONFIGS, BWD_Q_CONFIGS, INTERPRET, KEY, Tiles, fixed_tiles, padded_head_dim
-from .fwd import (NO_LIMIT, cast, doc_args, doc_rows, dot, key_rows, mask_tile, mod_positions, query_rows, tile_live,
-                  visible_pairs)
+from .fwd import (NO_LIMIT, cast, doc_args, doc_rows, dot, key_rows, mask_tile, mod_live, mod_positions, query_rows,
+                  tile_live, visible_pairs)
 from .mods import mod_args
 
 Tensor = torch.Tensor
@@ -105,7 +105,9 @@ def _bwd_dkdv(
             for start_m in range(0, S_q, BLOCK_M):
                 offs_m, m_ok, q_pos, q_min, q_max = query_rows(QPOS, start_m, S_q, BLOCK_M)
                 q_doc, q_dlo, q_dhi = doc_rows(QDOC, b, s_qdoc, offs_m, m_ok, DOCS)
-                if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi, CAUSAL, DOCS):
+                live = tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi, CAUSAL, DOCS)
+                if mod_live(live, m_ok, b, h, q_pos, k_pos, kv_limit, window, q_doc, k_doc, BUF0, BUF1, BUF2, BUF3,
+                            CAUSAL, DOCS, MASK_MOD):
                     qd_mask = m_ok[:, None] & d_ok[None, :]
                     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
                     do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
@@ -155,7 +157,9 @@ def _bwd_dq(
     for start_n in range(0, S_k, BLOCK_N):
         offs_n, n_ok, k_pos = key_rows(KPOS, start_n, S_k, BLOCK_N)
         k_doc, k_dlo, k_dhi = doc_rows(KDOC, b, s_kdoc, offs_n, n_ok, DOCS)
-        if tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi, CAUSAL, DOCS):
+        live = tile_live(q_min, q_max, k_pos, n_ok, kv_limit, window, q_dlo, q_dhi, k_dlo, k_dhi, CAUSAL, DOCS)
+        if mod_live(live, m_ok, b, h, q_pos, k_pos, kv_limit, window, q_doc, k_doc, BUF0, BUF1, BUF2, BUF3,
+                    CAUSAL, DOCS, MASK_MOD):
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
             v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
