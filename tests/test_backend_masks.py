@@ -54,6 +54,8 @@ class MaskedAttention(torch.nn.Module):
             "bidirectional_window": lambda: (ki > qi - 5) & (ki < qi + 3),
             "float": lambda: (ki <= qi).float(),  # added to the scores: 1 on the causal part, 0 elsewhere
             "given": lambda: given,
+            "query_key_padding": lambda: padding[torch.arange(B)[:, None, None, None], qi] & padding[
+                torch.arange(B)[:, None, None, None], ki],  # reads an input: no rule of positions (rewrite only)
         }[self.kind]()
 
     def forward(self, x: torch.Tensor, padding: Optional[torch.Tensor] = None,
@@ -110,9 +112,9 @@ def _rank_masked(kind: str, S: int, dynamic: bool = False) -> dict:
 MODEL_CASES = [
     ("causal_padding", 32, (True, -1, True)),  # key padding from an input: causal kept, (B, 1, 1, S) rows
     ("causal_padding", 30, (True, -1, True)),  # S = 30 is padded to 32 by the rewrite
-    ("no_upper_bound", 32, (False, -1, True)),
-    ("bidirectional_window", 32, (False, -1, True)),
-    ("float", 32, (False, -1, True)),
+    ("no_upper_bound", 32, (False, -1, False)),  # functions of positions: a mask_mod (masks/lift.py)
+    ("bidirectional_window", 32, (False, -1, False)),
+    ("float", 32, (False, -1, False)),  # ... and a score_mod
     ("given", 32, (False, -1, True)),
     ("given_additive", 32, (False, -1, True)),
 ]
@@ -176,10 +178,10 @@ def _local_shapes(report) -> list:
     return [tuple(n.meta["val"].shape) for n in report.after.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
 
 
-@pytest.mark.parametrize("kind,largest", [("causal_padding", (1, 64)), ("no_upper_bound", (32, 64))])
+@pytest.mark.parametrize("kind,largest", [("causal_padding", (1, 64)), ("query_key_padding", (32, 64))])
 def test_no_rank_builds_more_of_a_mask_than_its_rows(kind: str, largest: tuple) -> None:
     """S = 64 on 2 ranks (c = 32): a key-padding mask stays (B, 1, 1, S); a mask that varies by
-    query is built as this rank's (c, S) rows, never (S, S)."""
+    query (read from an input: no rule of positions) is built as this rank's (c, S) rows, never (S, S)."""
     from cp_compile.tools.explain import inspect
 
     inputs = _inputs(kind, 64)
@@ -229,8 +231,9 @@ def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) 
     caplog.set_level(logging.INFO, logger="cp_compile")
     inputs = _inputs("causal_padding", 32)
     inspect(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
+    given = _inputs("given", 32)["given"]  # an S x S mask passed in: no rule of positions
     for _ in range(2):
-        inspect(MaskedAttention("no_upper_bound"), (inputs["x"],), world_size=2)
+        inspect(MaskedAttention("given"), (inputs["x"], None, given), world_size=2)
     about = [r for r in caplog.records if "explicit" in r.getMessage() and "query rows" in r.getMessage()]
     assert [r.levelname for r in about] == ["WARNING", "INFO"], [(r.levelname, r.getMessage()) for r in about]
     text = about[0].getMessage()

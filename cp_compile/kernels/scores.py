@@ -18,7 +18,7 @@ Math runs in fp32 (fp64 for fp64 inputs), so the result is as exact as the refer
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -39,13 +39,31 @@ def _raw_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return s.reshape(b, h, lq, k.shape[2])
 
 
-def _masked(s: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
+def _masked(s: Tensor, mask: Optional[Tensor], causal: bool, row0: int = 0) -> Tensor:
+    """Scores with the additive mask and (index-)causality applied; ``row0``: the rectangle row of
+    ``s``'s first row (a row tile)."""
     if mask is not None:
         s = s + mask.to(s.dtype)
     if causal:
         lq, lk = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(row0), float("-inf"))
     return s
+
+
+TILE_ELEMENTS = 1 << 18  # B·H·rows·Lk of one tile of explicit scores (1 MiB fp32); 0: whole rectangles
+
+
+def _tiles(q: Tensor, k: Tensor, score: ScoreFn) -> List[slice]:
+    """Row tiles of a rectangle so that each tile's (B, H, rows, Lk) scores hold at most
+    ``TILE_ELEMENTS``: every transient of the kernel is a few such tiles, whatever the rectangle.
+    One tile when the score function cannot be cut by rows (it has no ``rows``)."""
+    b, h, lq = q.shape[:3]
+    rows = max(1, TILE_ELEMENTS // max(1, b * h * k.shape[2])) if TILE_ELEMENTS > 0 and hasattr(score, "rows") else lq
+    return [slice(r, min(r + rows, lq)) for r in range(0, lq, rows)]
+
+
+def _rows(mask: Optional[Tensor], r: slice) -> Optional[Tensor]:
+    return mask if mask is None or mask.shape[-2] == 1 else mask[..., r, :]
 
 
 def _grouped(x: Tensor, h_kv: int) -> Tensor:
@@ -61,9 +79,18 @@ class ScoresKernel:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, score: ScoreFn,
                 mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        """(out (B, H, Lq, D), lse (B, H, Lq)) in the compute dtype; ``mask`` additive (B|1, H|1, Lq, Lk)."""
+        """(out (B, H, Lq, D), lse (B, H, Lq)) in the compute dtype; ``mask`` additive (B|1, H|1, Lq, Lk).
+        Computed in row tiles (:func:`_tiles`); rows are independent, so the result is the same."""
+        tiles = _tiles(q, k, score)
+        if len(tiles) == 1:
+            return self._forward(q, k, v, causal, scale, score, mask, 0)
+        parts = [self._forward(q[:, :, r], k, v, causal, scale, score.rows(r), _rows(mask, r), r.start) for r in tiles]
+        return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, score: ScoreFn,
+                 mask: Optional[Tensor], row0: int) -> Tuple[Tensor, Tensor]:
         b, h, lq, d = q.shape
-        s = _masked(score(_raw_scores(q, k, scale)), mask, causal)  # (B, H, Lq, Lk)
+        s = _masked(score(_raw_scores(q, k, scale)), mask, causal, row0)  # (B, H, Lq, Lk)
         lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
         safe = lse.masked_fill(torch.isneginf(lse), 0.0)
         p = torch.exp(s - safe.unsqueeze(-1))  # rows with no key: exp(-inf) = 0
@@ -73,12 +100,26 @@ class ScoresKernel:
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                  causal: bool, scale: float, score: ScoreFn,
                  mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-        """(dq, dk, dv) of this block given the global ``out`` and ``lse`` (B, H, Lq)."""
+        """(dq, dk, dv) of this block given the global ``out`` and ``lse`` (B, H, Lq), in row tiles:
+        dq per tile, dk and dv summed over the tiles."""
+        tiles = _tiles(q, k, score)
+        if len(tiles) == 1:
+            return self._backward(dout, q, k, v, out, lse, causal, scale, score, mask, 0)
+        dq, dk, dv = [], None, None
+        for r in tiles:
+            t = self._backward(dout[:, :, r], q[:, :, r], k, v, out[:, :, r], lse[:, :, r], causal, scale,
+                               score.rows(r), _rows(mask, r), r.start)
+            dq.append(t[0])
+            dk, dv = (t[1], t[2]) if dk is None else (dk + t[1], dv + t[2])
+        return torch.cat(dq, dim=2), dk, dv
+
+    def _backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                  scale: float, score: ScoreFn, mask: Optional[Tensor], row0: int) -> Tuple[Tensor, Tensor, Tensor]:
         h_kv = k.shape[1]
         raw = _raw_scores(q, k, scale)
         ct = raw.dtype
         s_mod, vjp = torch.func.vjp(score, raw)
-        s = _masked(s_mod, mask, causal)  # (B, H, Lq, Lk)
+        s = _masked(s_mod, mask, causal, row0)  # (B, H, Lq, Lk)
         lse = lse.to(ct)
         p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))  # global probabilities
         do, o = dout.to(ct), out.to(ct)

@@ -10,14 +10,16 @@ mask or none, and a score function when a ``score_mod`` applies. Three forms:
 * document ids alone (with causal and/or padding): each rectangle split into its
   equal-document sub-rectangles (:func:`.docs.doc_rectangles`), per batch row when the
   rows' documents differ; no mask tensor at all;
-* mods, or documents with a window / explicit mask: one boolean mask per rectangle
-  (:func:`.masking.rule_mask`), skipped when nothing is visible.
+* a mask_mod, or documents with a window / explicit mask: one boolean mask per rectangle
+  (:func:`.masking.rule_mask`), skipped when nothing is visible;
+* a score_mod alone (ALiBi): the plan's rectangles as in the first form, with the score
+  function bound to their positions (:class:`BoundScore`), and no mask tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 
@@ -60,13 +62,32 @@ def _doc_calls(docs: DocIndex, seg: Segment, pos: BlockPositions, rank: int, src
             yield Call(rows, _sub(q0, a, b, c), _sub(k0, e, f, c), causal)
 
 
+class BoundScore:
+    """``score_mod`` bound to a rectangle's global positions: ``(B, H, Lq, Lk) scores -> scores``;
+    :meth:`rows` binds it to a tile of the rectangle's rows (the score kernel's row tiles)."""
+
+    def __init__(self, mods: Any, q_pos: Tensor, k_pos: Tensor) -> None:
+        self.mods, self.q_pos, self.k_pos = mods, q_pos, k_pos
+
+    def __call__(self, s: Tensor) -> Tensor:
+        return self.mods.scores(s, self.q_pos, self.k_pos)
+
+    def rows(self, r: slice) -> "BoundScore":
+        return BoundScore(self.mods, self.q_pos[r], self.k_pos)
+
+
 def _score_fn(spec: MaskSpec, seg: Segment, pos: BlockPositions, rank: int, src: int, valid_len: int):
     """``score_mod`` bound to the rectangle's global positions, or None."""
     if spec.mods is None or spec.mods.score_mod is None:
         return None
     qp, kp = mod_positions(pos, rank, seg.q, valid_len), mod_positions(pos, src, seg.k, valid_len)
-    mods = spec.mods
-    return lambda s: mods.scores(s, qp, kp)
+    return BoundScore(spec.mods, qp, kp)
+
+
+def _score_only(spec: MaskSpec) -> bool:
+    """Mods with a score_mod and no mask_mod, no documents: rectangles need no boolean mask (the score
+    kernel applies causality itself), so none of O(Lq·Lk) is built."""
+    return spec.mods is not None and spec.mods.mask_mod is None and spec.doc_ids is None
 
 
 def step_calls(spec: MaskSpec, docs: Optional[DocIndex], causal: bool, group: CPGroup,
@@ -77,7 +98,7 @@ def step_calls(spec: MaskSpec, docs: Optional[DocIndex], causal: bool, group: CP
     ``pos.segments`` (by layout, or by positions when ``pos`` holds a table).
     """
     for seg in pos.segments(causal, src, valid_len):
-        if spec.per_rectangle_mask:
+        if spec.per_rectangle_mask and not _score_only(spec):
             mask = rule_mask(spec, docs, seg, pos, group.rank, src, dims, valid_len)
             if mask is not None:
                 yield Call(ALL, seg.q, seg.k, False, mask, _score_fn(spec, seg, pos, group.rank, src, valid_len))
@@ -86,4 +107,4 @@ def step_calls(spec: MaskSpec, docs: Optional[DocIndex], causal: bool, group: CP
         else:
             call = segment_call(spec, seg, pos(group.rank), pos(src)) if spec.active else (seg.causal, None)
             if call is not None:
-                yield Call(ALL, seg.q, seg.k, call[0], call[1])
+                yield Call(ALL, seg.q, seg.k, call[0], call[1], _score_fn(spec, seg, pos, group.rank, src, valid_len))

@@ -100,8 +100,11 @@ def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
     elif docs:
         band, rest = _within_documents(mask, docs, band, rest, seq_len)
     kind = _band_kind(band, seq_len)
-    if kind is None:  # a band the ring op cannot express: the whole mask is explicit
-        kind, rest, docs, scores = MaskKind(causal=False), [mask], [], []
+    if kind is None:  # a band the ring op cannot express: the whole mask as one rule of positions, or explicit
+        whole = lift_term(mask, seq_len)
+        kind, docs = MaskKind(causal=False), []
+        is_bool = _dtype(mask) is torch.bool
+        rest, scores = ([whole] if is_bool else [], [] if is_bool else [whole]) if whole is not None else ([mask], [])
     rules = tuple(t for t in rest if isinstance(t, Rule))
     explicit = tuple(dict.fromkeys(t for t in rest if not isinstance(t, (Doc, Rule))))  # each term once, in order
     doc_ids = docs[0].ids if docs else None
