@@ -29,7 +29,9 @@ in that the layout rewrite would have to change.
 
 Left unexpanded, with a WARNING naming the source line and the fix (a CPRewriteError
 under ``strict=True``): the attention weights used (``need_weights=True`` and the
-(N, L, S) weights read), cross-attention (query, key, value not one value), ``bias_k`` /
+(N, L, S) weights read), cross-attention (query, key, value not one value; the
+``multihead_attn`` of an ``nn.TransformerDecoderLayer`` is named as such, with the
+decoder-only fix: ``nn.TransformerEncoderLayer`` with a causal mask), ``bias_k`` /
 ``bias_v``, ``add_zero_attn``, ``static_k`` / ``static_v``, dropout in training,
 unbatched (2-D) inputs. :mod:`.unsplit` then reports the graph if it has no other
 attention. The eval-mode fast paths (``torch._transformer_encoder_layer_fwd``,
@@ -93,8 +95,7 @@ def _refusal(node: fx.Node, a: Dict[str, Any]) -> Optional[str]:
         return ("its attention weights are used (need_weights=True returns the L x S weights, which ring attention "
                 "never forms). Fix: call the module with need_weights=False, or drop the use of the weights")
     if not (a["query"] is a["key"] is a["value"]):
-        return ("it is cross-attention (query, key and value differ); context parallelism splits one sequence for "
-                "self-attention. Fix: keep the cross-attention out of the compiled CP region")
+        return _cross_attention(node)
     if a["bias_k"] is not None or a["bias_v"] is not None or a["add_zero_attn"]:
         return ("it appends keys (add_bias_kv=True or add_zero_attn=True). Fix: build nn.MultiheadAttention with "
                 "add_bias_kv=False, add_zero_attn=False")
@@ -112,6 +113,31 @@ def _refusal(node: fx.Node, a: Dict[str, Any]) -> Optional[str]:
     for name in ("attn_mask", "key_padding_mask", "embed_dim_to_check", "num_heads"):
         if not isinstance(a[name], (fx.Node, type(None), int)):
             return f"{name} is not a tensor or a constant"
+    return None
+
+
+def _cross_attention(node: fx.Node) -> str:
+    """Why cross-attention is left whole, naming nn.TransformerDecoderLayer's memory attention."""
+    why = ("it is cross-attention (query, key and value differ); context parallelism splits one sequence for "
+           "self-attention")
+    layer = decoder_layer_path(node)
+    if layer is None:
+        return why + ". Fix: keep the cross-attention out of the compiled CP region"
+    return (f"it is the cross-attention of nn.TransformerDecoderLayer {layer} (multihead_attn: queries from the "
+            "target, keys and values from `memory`), which cannot be made context-parallel: ring attention "
+            "splits one sequence for self-attention, and memory is another sequence, even when it is the same tensor. "
+            "Fix: for a decoder-only model (memory = the sequence itself) build it from nn.TransformerEncoderLayer "
+            "with a causal mask (src_mask=nn.Transformer.generate_square_subsequent_mask(S), is_causal=True), whose "
+            "self-attention becomes the ring; for an encoder-decoder keep the decoder out of the compiled CP region")
+
+
+def decoder_layer_path(node: fx.Node) -> Optional[str]:
+    """The module path of the nn.TransformerDecoderLayer whose ``multihead_attn`` made ``node``, else None."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    for (outer, cls), (inner, _) in zip(stack, stack[1:]):
+        if isinstance(cls, type) and issubclass(cls, torch.nn.TransformerDecoderLayer) \
+                and inner == f"{outer}.multihead_attn":
+            return outer.replace("L['self']", "model")
     return None
 
 
