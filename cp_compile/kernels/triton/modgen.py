@@ -62,13 +62,14 @@ class ModError(ValueError):
     """A mod the Triton kernels cannot run (the message names the op and the fix)."""
 
 
-def trace(fn: Callable, what: str, score: bool, buffers: Sequence[Tensor]) -> fx.GraphModule:
-    """``fn`` traced on one tile (module docstring); the buffers are traced by shape and dtype only."""
+def trace(fn: Callable, what: str, score: bool, buffers: Sequence[Tensor], device: torch.device) -> fx.GraphModule:
+    """``fn`` traced on one tile (module docstring) on ``device`` (where tensors it captures live); the
+    buffers are traced by shape and dtype only."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    i64 = lambda *s: torch.zeros(s, dtype=torch.int64)  # noqa: E731
-    args = ((torch.zeros(M, N),) if score else ()) + (i64(1, 1), i64(1, 1), i64(M, 1), i64(1, N))
-    args += tuple(torch.zeros(t.shape, dtype=t.dtype) for t in buffers)
+    i64 = lambda *s: torch.zeros(s, dtype=torch.int64, device=device)  # noqa: E731
+    args = ((torch.zeros(M, N, device=device),) if score else ()) + (i64(1, 1), i64(1, 1), i64(M, 1), i64(1, N))
+    args += tuple(torch.zeros(t.shape, dtype=t.dtype, device=device) for t in buffers)
     try:
         return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
     except Exception as e:  # noqa: BLE001 - any failure to trace is the same refusal
@@ -118,6 +119,9 @@ class Gen:
                        "mod with the ops listed in cp_compile/kernels/triton/modgen.py.")
 
     def emit(self, expr: str, dtype: torch.dtype, d: Optional[str] = None) -> Val:
+        """One statement ``v<i> = tl.cast(expr, dtype)`` (and ``dv<i>`` for the derivative): its value."""
+        if dtype not in _TL:
+            self.fail(f"{self.op_name()} gives a {dtype} value (translated dtypes: {', '.join(map(str, _TL))})")
         name = f"v{len(self.lines)}"
         self.lines.append(f"{name} = tl.cast({expr}, {_TL[dtype]})")
         if d is not None:

@@ -140,14 +140,14 @@ def _generate(mask_mod: Any, score_mod: Any, mask_buffers: Sequence[Tensor], sco
     src = ["import triton\nimport triton.language as tl\n", PRELUDE]
     names = []
     if mask_mod is not None:
-        gm = trace(mask_mod, "mask_mod", False, mask_buffers)
+        gm = trace(mask_mod, "mask_mod", False, mask_buffers, device)
         gen = Gen(gm, "mask_mod", False, slots.of_buffers(gm, "mask", 4), slots.constant)
         out = gen.run()
         ret = out.expr if out.dtype == torch.bool else f"{out.expr} != 0"
         src.append(_function("mask_mod", "b, h, q_idx, kv_idx", gen, ret))
         names.append("mask_mod")
     if score_mod is not None:
-        gm = trace(score_mod, "score_mod", True, score_buffers)
+        gm = trace(score_mod, "score_mod", True, score_buffers, device)
         buffer_slots = slots.of_buffers(gm, "score", 5)
         for name, grad in (("score_mod", False), ("score_grad", True)):
             gen = Gen(gm, "score_mod", True, buffer_slots, slots.constant, grad)
@@ -166,13 +166,8 @@ def cache_dir() -> str:
     return os.path.join(root, "triton_mods")
 
 
-def _load(source: str) -> Any:
-    """Write ``source`` under :func:`cache_dir` (named by its hash, written atomically) and import it."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:32]
-    name = f"cp_compile_mods_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    folder = cache_dir()
+def _write(folder: str, name: str, source: str) -> str:
+    """``folder/name.py`` holding ``source`` (written atomically unless already there)."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name + ".py")
     if not os.path.exists(path):
@@ -180,6 +175,19 @@ def _load(source: str) -> Any:
         with os.fdopen(fd, "w") as f:
             f.write(source)
         os.replace(tmp, path)
+    return path
+
+
+def _load(source: str) -> Any:
+    """Write ``source`` under :func:`cache_dir` (named by its hash, written atomically) and import it."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:32]
+    name = f"cp_compile_mods_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        path = _write(cache_dir(), name, source)
+    except OSError:  # a read-only home: the system's temporary directory
+        path = _write(os.path.join(tempfile.gettempdir(), f"cp_compile_{os.getuid()}", "triton_mods"), name, source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
