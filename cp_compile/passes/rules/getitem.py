@@ -5,6 +5,7 @@
     x (B, S/N, D) Sharded(1)  x[:, i]         -> (B, D) Global                   (one position: cls / last token)
         = all_reduce_sum(where(positions == i, x, 0).sum(1))   O(B·D) traffic, no gather of x
     ids (B, S/N) Sharded(1)   ids[:, 1:]      -> (B, S-1) Global: the whole input every rank was passed
+    cos (P, D) Global         cos[ids]        -> (B, S/N, D) Sharded(1): a whole table read at this rank's ids
     x (B, S/N, D) Sharded(1)  x[:, 1:5]       -> gather, then index (fallback, warned)
 
 Picking one position: the rank holding global position ``i`` contributes its row, every
@@ -26,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..context import global_shape
+from ..context import fake_value, global_shape
 from ..layouts import GLOBAL, Sharded
 
 
@@ -36,7 +37,8 @@ def getitem(em: Any, node: fx.Node):
     s = em.layout(x)
     index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(global_shape(x)))
     if index is None or any(isinstance(i, fx.Node) for i in index):
-        return em.fallback(node, "indexing with tensors on a sharded value")
+        looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else None
+        return looked_up if looked_up is not None else em.fallback(node, "indexing with tensors on a sharded value")
     in_dim, out_dim = 0, 0
     for at, i in enumerate(index):
         if i is None:
@@ -55,6 +57,26 @@ def getitem(em: Any, node: fx.Node):
         out_dim += 0 if isinstance(i, int) else 1
         in_dim += 1
     return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
+
+
+def _table_lookup(em: Any, node: fx.Node, index: Optional[tuple]):
+    """``table[..., ids, ...]``: a whole table read at sharded integer ids (RoPE's ``cos[position_ids]``).
+
+    Each result row is the table's entry at that row's id, so this rank's ids give this rank's
+    rows: the ids' sequence dim lands where the ids' dims are placed (at the first tensor index,
+    every index before it a full slice). Several tensor indices must be sharded alike."""
+    if index is None:
+        return None
+    ids = [(at, i) for at, i in enumerate(index) if isinstance(i, fx.Node)]
+    lays = {em.layout(i) for _, i in ids}
+    shapes = {global_shape(i) for _, i in ids}
+    adjacent = [at for at, _ in ids] == list(range(ids[0][0], ids[0][0] + len(ids)))
+    plain = all(i == slice(None) for i in index if not isinstance(i, fx.Node))
+    lay = next(iter(lays))
+    if len(lays) != 1 or len(shapes) != 1 or not adjacent or not plain or not isinstance(lay, Sharded) \
+            or lay.inner != 1 or any(fake_value(i).dtype in (torch.bool, torch.uint8) for _, i in ids):
+        return None
+    return em.copy(node, (em.env[node.args[0]], em.value(node.args[1])), {}), Sharded(ids[0][0] + lay.dim)
 
 
 def _whole_input(em: Any, x: fx.Node) -> Optional[fx.Node]:
