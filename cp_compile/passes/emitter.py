@@ -4,6 +4,7 @@ reads the old one, and gives the layout rules (:mod:`.rules`) their vocabulary.
     old node ──env──> new value      old node ──layouts──> Global | Sharded(dim, inner)
     em.to_sharded(x, d):  x (B, S, D) Global  ─ index_select(d, this rank's positions) ─> (B, c, D)
     em.to_global(x):      x (B, c, D) Sharded ─ gather_seq (all-gather + un-permute) ─> (B, S, D)
+                          (merged dims: (B·c·k, D) ─ unflatten (B, c, k) ─ gather ─ flatten ─> (B·S·k, D))
     em.fallback(node):    gather the Sharded inputs, run node whole (warned), re-shard if shape-preserving
 
 Kept apart from the walk so the rules can import it without importing the walk, which
@@ -37,6 +38,7 @@ class Emitter:
         self._consts: Dict[str, fx.Node] = {}
         self.index = SeqIndex(self)
         self.inputs: List[fx.Node] = []  # placeholders awaiting _finish_inputs
+        self.row_numbers: Dict[fx.Node, str] = {}  # Sharded values holding row numbers of a selection (routing)
 
     # -- reading the old graph ------------------------------------------------
     def value(self, arg: Any) -> Any:
@@ -102,14 +104,16 @@ class Emitter:
         lay = self.layout(old)
         if not isinstance(lay, Sharded):
             return self.env[old]
-        if lay.inner != 1 or global_shape(old)[lay.dim] != self.ctx.seq_len:
-            raise CPRewriteError(
-                f"cp_compile: cannot gather {old.name} (sequence merged into dim {lay.dim} of "
-                f"{tuple(global_shape(old))}). Fix: report this model pattern; strict=False cannot help here."
-            )
         order, inverse = self.index.order_inverse()  # inverse drops the padding positions
-        return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
-                         self.ctx.group.name)
+        outer = global_shape(old)[lay.dim] // (self.ctx.seq_len * lay.inner)
+        if lay.inner == 1 and outer == 1:
+            return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
+                             self.ctx.group.name)
+        # tokens merged with other dims (B·S rows, S·k): (outer, c, inner) -> gather the c dim -> (outer·S·inner)
+        split = self.method("unflatten", self.env[old], lay.dim, (outer, -1, lay.inner))
+        whole = self.call(graph_ops.gather_seq, split, lay.dim + 1, order, inverse, self.ctx.world,
+                          self.ctx.group.name)
+        return self.method("flatten", whole, lay.dim, lay.dim + 2)
 
     def fallback(self, node: fx.Node, why: str) -> Any:
         """Gather every Sharded input of ``node`` and run it on full sequences.

@@ -6,7 +6,7 @@ Every tensor value of a rewritten graph has one layout:
 |-----------------|-----------------------------------------------------------------------|
 | ``GLOBAL``      | the same full value on every rank (weights, positions, a gathered tensor, the loss) |
 | ``Sharded(d, inner)`` | this rank's tokens along dim d, in load-balanced order. ``inner`` > 1 when d is a merged dim whose index is ``outer * (c * inner) + token * inner + rest`` (e.g. logits viewed (B*S, V): inner = 1; (B, S*H) would be inner = H) |
-| ``Local(d, token)`` | rows along dim d are a data-dependent selection of this rank's tokens (``torch.where`` / ``nonzero`` on a Sharded mask: MoE routing), in no global order; ``token = (size, inner)`` when the values are indices into this rank's rows of a Sharded dim of that global size and inner (rules/routing.py) |
+| ``Local(d, token, rows)`` | rows along dim d are a data-dependent selection of this rank's tokens (``torch.where`` / ``nonzero`` on a Sharded mask, ``sort`` of Sharded expert ids: MoE routing), in no global order; ``token = (size, inner)`` when the values are indices into this rank's rows of a Sharded dim of that global size and inner; ``rows`` names the selection; d None: a per-rank summary of it (counts per expert) (rules/routing.py) |
 
 One could tell a replicated value from a full-sequence one (``Replicated`` vs ``Full(d)``);
 the rewrite does not need to (docs/design.md §6):
@@ -42,8 +42,10 @@ class Sharded:
 class Local:
     """Rows along ``dim`` selected from this rank's tokens by data (see the module docstring)."""
 
-    dim: int
+    dim: Optional[int]  # None: a summary of the selection (histc counts, their cumsum), not rows
     token: Optional[Tuple[int, int]] = None  # (global size, inner) of the token dim the values index
+    rows: str = ""  # the selection: the name of the node that made it (torch.where / nonzero / sort)
+    whole: bool = False  # the selection is every local row, permuted (sort): it can be inverted
 
 
 GLOBAL = Global()

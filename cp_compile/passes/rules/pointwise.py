@@ -80,7 +80,9 @@ def matmul(em: Emitter, node: fx.Node):
 
     Tokens in a's rows: x (B, S, K) @ W (K, N) -> (B, S, N), Sharded(1).
     Tokens in b's columns (RoPE written as ``inv_freq (B, D/2, 1) @ position_ids (B, 1, S)``
-    with position_ids an input): (B, D/2, S) Sharded(2). Contracting the tokens mixes them.
+    with position_ids an input): (B, D/2, S) Sharded(2). Tokens in a batch dim of both sides
+    (``bmm`` of (T, N, K) per-token weights with (T, K, 1) rows): Sharded there. Contracting the
+    tokens mixes them.
     """
     a, b = node.args[0], node.args[1]
     sa, sb = _sharded(em, a), _sharded(em, b)
@@ -88,7 +90,18 @@ def matmul(em: Emitter, node: fx.Node):
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
     if sb is not None and sa is None and sb.dim == _ndim(b) - 1 and _ndim(b) >= 2 and sb.inner == 1:
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(_ndim(node) - 1)
+    if sa is not None and sb is not None and _same_batch_dim(a, sa, b, sb):
+        # tokens in a batch dim of both sides (per-token matrices, e.g. bmm of rows with their expert's
+        # weights): one product per token
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
     return em.fallback(node, "matmul mixing tokens")
+
+
+def _same_batch_dim(a: fx.Node, sa: Sharded, b: fx.Node, sb: Sharded) -> bool:
+    """Both operands sharded along the same batch dim (aligned from the right, not a matrix dim)."""
+    na, nb = _ndim(a), _ndim(b)
+    return (na >= 3 and nb >= 3 and sa.dim < na - 2 and sb.dim < nb - 2 and sa.dim - na == sb.dim - nb
+            and sa.inner == sb.inner and global_shape(a)[sa.dim] == global_shape(b)[sb.dim])
 
 
 def addmm(em: Emitter, node: fx.Node):

@@ -3,6 +3,7 @@
     x (B, S/N, D).sum(1)   -> all_reduce_sum(local sum, padding rows zeroed) -> Global (B, D)
     x.mean(1)              -> the same / the global count S
     x.size(1)              -> S (Global: the global size), under dynamic shapes a graph value
+    torch.histc(x, E, 0, E) -> all_reduce_sum(local histogram, padding rows outside the range) -> Global
 """
 
 from __future__ import annotations
@@ -43,6 +44,24 @@ def reduction(em: Emitter, node: fx.Node):
     from ... import graph_ops
 
     return em.call(graph_ops.all_reduce_sum, total, em.ctx.group.name), GLOBAL
+
+
+def histc(em: Emitter, node: fx.Node):
+    """``torch.histc(x, bins, min, max)`` of a Sharded x (tokens per expert): the local histogram with the
+    padding rows moved outside [min, max] (histc ignores them), summed over the group -> Global. A range
+    read from the data (min == max) is gathered."""
+    x, s = node.args[0], _sharded(em, node.args[0])
+    names = ("bins", "min", "max")
+    given = dict(zip(names, node.args[1:]), **{k: v for k, v in node.kwargs.items() if k in names})
+    lo, hi = given.get("min", 0), given.get("max", 0)
+    if not all(isinstance(v, (int, float)) for v in (lo, hi)) or lo >= hi:
+        return em.fallback(node, "histc with its range read from the data")
+    mask = em.valid_mask(x, em.env[x], s.dim, s.inner)
+    local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], lo - 1)  # outside the range
+    counts = em.copy(node, (local, *em.value(node.args[1:])), em.value(node.kwargs))
+    from ... import graph_ops
+
+    return em.call(graph_ops.all_reduce_sum, counts, em.ctx.group.name), GLOBAL
 
 
 def size(em: Emitter, node: fx.Node):

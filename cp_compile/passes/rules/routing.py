@@ -1,53 +1,52 @@
 """Layout rules for data-dependent selections of tokens: mixture-of-experts routing.
 
 A token-choice MoE flattens the tokens to rows, routes each row by its own router scores,
-selects the rows of each expert by data (``torch.where(mask)`` / ``nonzero``), runs the
-expert on them and adds the results back by row index (``index_add_``). Routing is per
-token, so under CP each rank can route its own tokens. The rule is:
+selects or groups the rows of each expert by data, runs the experts on them and puts the
+results back by row index. Routing is per token, so under CP each rank routes its own
+tokens. The rules, on rows of this rank (c = S/N tokens, T = B·S flattened, k slots):
 
-    mask (E, k, B·S/N) Sharded(2) ─ torch.where ─> idx, top_x (n_local,) Local(0)     top_x: token=(B·S, 1)
-    h (B·S/N, D) Sharded(0)  h[top_x] / h[None, top_x] / index_select(h, 0, top_x) ─> (n_local, D) Local
-    Local rows ─ linear / silu / * / views keeping the rows / casts ─> Local
-    w (B·S/N, k) Sharded(0)  w[top_x, idx, None] ─> (n_local, 1) Local
-    out (B·S/N, D) Sharded(0) .index_add_(0, top_x, rows Local) ─> Sharded(0)
+    mask (E, k, T/N) Sharded(2) ─ torch.where / nonzero ─> idx, top_x (n_local,) Local(0)   top_x: token=(T, 1)
+    ids (T/N·k,) Sharded(0, inner k) ─ sort ─> ids_g, perm (T/N·k,) Local(0, whole)          perm: token=(T·k, k)
+    perm // k ─> token=(T, 1)
+    h (T/N, D) Sharded(0)   h[top_x] / h[None, top_x] / index_select(h, 0, top_x) ─> Local rows
+    w (T/N, k) Sharded(0)   w[top_x, idx, None] ─> Local rows
+    Local rows ─ linear / silu / * / chunk / views keeping the rows / casts ─> Local   (routing_rows.py)
+    histc(ids_g) -> cumsum -> offsets: Local summary; grouped_mm(rows, W, offs=offsets) ─> Local rows
+    out (T/N, D) Sharded(0) .index_add_(0, top_x, rows) ─> Sharded(0)
+    inv = empty_like(perm); inv[perm] = arange(n) ─> inv Sharded(0, inner k), row numbers of the sort
+    rows[inv] ─> Sharded(0, inner k): each token's row back in token order
+    W (E, F, D) whole   W[ids] with ids Sharded(0) ─> Sharded(0)   (a row of W per token: batched_mm experts)
 
 ``Local(d)``: the rows along d are the rows the one-process program selects, restricted to
-this rank's tokens, in this rank's order; the selection's length is Dynamo's unbacked size
-(``u0``), which names it. Indices found on dim d of a ``Sharded(d, inner)`` mask are indices
-into this rank's rows of any tensor whose token dim has the same global size and ``inner``
-(the same local arrangement ``outer·(c·inner) + token·inner + rest``), so they select and
-scatter among this rank's rows with no communication. Per-row ops of Local values (all
-operands the same selection, weights Global) stay Local. Anything else on a Local value
-(a reduction or scan over the selected rows, mixing two selections, an index into a dim
-of another arrangement) has no per-rank form and is refused with a CPRewriteError naming
-the op, its line and the fix: a Local value cannot be gathered, its rows have no global
-positions. Dynamo captures these ops in one graph only under
-``torch._dynamo.config.capture_dynamic_output_shape_ops = True``; without it the graph
-breaks at ``nonzero`` and the selection runs between graphs on gathered values.
+this rank's tokens, in this rank's order (``rows`` names the selection). Indices found on
+dim d of a ``Sharded(d, inner)`` tensor are indices into this rank's rows of any tensor whose
+token dim has the same global size and ``inner`` (the same local arrangement
+``outer·(c·inner) + token·inner + rest``), so they select and scatter among this rank's rows
+with no communication. What has no per-rank form (a reduction or scan over the selected rows
+into a value used outside the selection, mixing two selections, an index into a dim laid out
+differently) is refused with a CPRewriteError naming the op, its line and the fix: a Local
+value cannot be gathered, its rows have no global positions. Dynamo keeps ``nonzero`` in one
+graph only under ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``; without
+it the graph breaks there and the selection runs between graphs on gathered values.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from ..context import CPRewriteError, fake_value, global_shape, source_line
+from ..context import fake_value, global_shape
 from ..emitter import Emitter
 from ..layouts import GLOBAL, Local, Sharded
-from .common import _flat_args, _key, _name, _sharded
-from .pointwise import POINTWISE_FUNCS, POINTWISE_METHODS, pointwise
+from .common import _flat_args, _key, _sharded
+from .pointwise import pointwise
+from .routing_rows import refuse, rowwise, rows_rule
 
 _SELECT = {torch.nonzero, torch.argwhere, ("method", "nonzero"), ("method", "argwhere")}
-_ROWWISE = POINTWISE_FUNCS | {("method", m) for m in POINTWISE_METHODS} | {
-    F.linear, torch._C._nn.linear, F.layer_norm, F.softmax, F.log_softmax, torch.matmul, operator.matmul,
-    ("method", "softmax"), ("method", "type"), ("method", "long"), ("method", "int"), ("method", "bool")}
-_VIEWS = {("method", m) for m in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous")} | {
-    torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze}
-_KEEP_TOKEN = _VIEWS | {("method", m) for m in ("to", "clone", "detach", "long", "int", "type")}
+_SORT = {torch.sort, ("method", "sort"), torch.argsort, ("method", "argsort")}
 _INDEX_ADD = {("method", "index_add_"), ("method", "index_add"), torch.index_add,
               ("method", "index_copy_"), ("method", "index_copy"), torch.index_copy}
 
@@ -65,10 +64,9 @@ def select(em: Emitter, node: fx.Node):
     s, shape = _sharded(em, x), global_shape(x)
     token = (shape[s.dim], s.inner)
     new = em.copy(node, *em.value((node.args, node.kwargs)))
-    as_tuple = node.target is torch.where or node.kwargs.get("as_tuple", False)
-    if as_tuple:  # one (n,) index tensor per dim of x
-        return new, tuple(Local(0, token if d == s.dim else None) for d in range(len(shape)))
-    return new, Local(0)  # (n, ndim): columns are not followed as token indices
+    if node.target is torch.where or node.kwargs.get("as_tuple", False):  # one (n,) tensor per dim of x
+        return new, tuple(Local(0, token if d == s.dim else None, node.name) for d in range(len(shape)))
+    return new, Local(0, None, node.name)  # (n, ndim): columns are not followed as token indices
 
 
 def where(em: Emitter, node: fx.Node):
@@ -76,8 +74,44 @@ def where(em: Emitter, node: fx.Node):
     return select(em, node) if is_selection(node) else pointwise(em, node)
 
 
+def sort(em: Emitter, node: fx.Node):
+    """``sort`` / ``argsort`` of 1-D Sharded values (expert ids): this rank's rows permuted, and the
+    permutation as token indices. Any other sort along the sequence is gathered."""
+    x, s = node.args[0], _sharded(em, node.args[0])
+    dim = node.args[1] if len(node.args) > 1 and type(node.args[1]) is int else node.kwargs.get("dim", -1)
+    if len(global_shape(x)) != 1 or dim not in (0, -1):
+        return em.fallback(node, "sort along the sequence of a tensor with other dims")
+    new = em.copy(node, *em.value((node.args, node.kwargs)))
+    perm = Local(0, (global_shape(x)[0], s.inner), node.name, whole=True)
+    if "argsort" in str(_key(node)):
+        return new, perm
+    return new, (Local(0, None, node.name, whole=True), perm)
+
+
+def is_lookup(em: Emitter, node: fx.Node) -> bool:
+    """``W[ids]``: a whole tensor (an expert's weights) indexed by one Sharded integer tensor, the rest
+    full slices: one row of W per token, like an embedding."""
+    if node.target is not operator.getitem or em.layout(node.args[0]) not in (None, GLOBAL):
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    tensors = [i for i in index if isinstance(i, fx.Node)]
+    full = all(isinstance(i, fx.Node) or i == slice(None) for i in index)
+    val = fake_value(tensors[0]) if len(tensors) == 1 else None
+    return full and isinstance(val, torch.Tensor) and not val.dtype.is_floating_point and val.dtype is not torch.bool \
+        and _sharded(em, tensors[0]) is not None and tensors[0] not in em.row_numbers
+
+
+def lookup(em: Emitter, node: fx.Node):
+    """``W[:, ids]`` with ids Sharded(d): the result's dims at the index's place are ids' dims, Sharded there."""
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    at = next(p for p, i in enumerate(index) if isinstance(i, fx.Node))
+    s = _sharded(em, index[at])
+    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(at + s.dim, s.inner)
+
+
 def involves_local(em: Emitter, node: fx.Node) -> bool:
-    return any(isinstance(em.layout(a), Local) for a in _flat_args(node))
+    return any(isinstance(a, fx.Node) and (isinstance(em.layout(a), Local) or a in em.row_numbers)
+               for a in _flat_args(node))
 
 
 def local_rule(em: Emitter, node: fx.Node):
@@ -87,39 +121,9 @@ def local_rule(em: Emitter, node: fx.Node):
         return _index(em, node)
     if key in _INDEX_ADD:
         return _index_add(em, node)
-    if key in (torch.ops.aten.sym_size.int, ("method", "size"), torch.ops.aten._assert_scalar.default):
-        return em.copy(node, *em.value((node.args, node.kwargs))), GLOBAL  # this rank's sizes: asserts hold
-    if key in _ROWWISE or key in _VIEWS:
-        return _rowwise(em, node)
-    return _refuse(em, node, "is not known to act on each selected row alone")
-
-
-# ------------------------------------------------------------------------- per-row ops
-def _rowwise(em: Emitter, node: fx.Node):
-    """Every Local operand the same selection, the rest Global and not along the rows: copy, Local."""
-    locals_ = [a for a in _flat_args(node) if isinstance(em.layout(a), Local)]
-    if any(isinstance(em.layout(a), Sharded) for a in _flat_args(node)):
-        return _refuse(em, node, "combines selected rows with the sequence-sharded tokens directly")
-    syms = {_rows(a, em.layout(a)) for a in locals_}
-    if len(syms) != 1 or None in syms:
-        return _refuse(em, node, "combines two different selections of rows")
-    (sym,) = syms
-    out = _dims_of(node, sym)
-    if len(out) != 1 or not _outer_kept(em, node, locals_[0], out[0]):
-        return _refuse(em, node, "does not keep the selected rows as one dim")
-    lay = em.layout(locals_[0])
-    token = lay.token if _key(node) in _KEEP_TOKEN and len(locals_) == 1 else None
-    return em.copy(node, *em.value((node.args, node.kwargs))), Local(out[0], token)
-
-
-def _outer_kept(em: Emitter, node: fx.Node, src: fx.Node, out_dim: int) -> bool:
-    """A view keeps rows whole only if the dims before the rows multiply to the same size."""
-    if _key(node) not in _VIEWS:
-        return True
-    lay = em.layout(src)
-    before_in = _prod(fake_value(src).shape[:lay.dim])
-    before_out = _prod(fake_value(node).shape[:out_dim])
-    return before_in == before_out
+    if key is operator.setitem:
+        return _invert(em, node)
+    return rows_rule(em, node)
 
 
 # ------------------------------------------------------------------------- indexing
@@ -130,21 +134,26 @@ def _index(em: Emitter, node: fx.Node):
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     else:
         d = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
-        index = (slice(None),) * (d % len(global_shape(x))) + (node.args[2] if len(node.args) > 2 else node.kwargs["index"],)
+        idx = node.args[2] if len(node.args) > 2 else node.kwargs["index"]
+        index = (slice(None),) * (d % len(global_shape(x))) + (idx,)
+    if any(i in em.row_numbers for i in index if isinstance(i, fx.Node)):
+        return _back_to_tokens(em, node, x, index)
     if isinstance(em.layout(x), Local) and not any(isinstance(i, fx.Node) for i in index):
-        return _rowwise(em, node)  # basic indexing of selected rows
+        return rowwise(em, node)  # basic indexing of selected rows
     if any(i is Ellipsis for i in index):
-        return _refuse(em, node, "indexes with `...` and a selection")
+        return refuse(em, node, "indexes with `...` and a selection")
     x_new, why = _source_rows(em, x, index)
     if why:
-        return _refuse(em, node, why)
-    tensors = [i for i in index if isinstance(i, fx.Node)]
-    syms = {_rows(i, em.layout(i)) for i in tensors}
-    out = _dims_of(node, next(iter(syms))) if len(syms) == 1 and None not in syms else []
-    if len(out) != 1:
-        return _refuse(em, node, "indexes with tensors that are not one selection of rows")
-    args = (x_new, *em.value(node.args[1:]))
-    return em.copy(node, args, em.value(node.kwargs)), Local(out[0])
+        return refuse(em, node, why)
+    lays = {em.layout(i) for i in index if isinstance(i, fx.Node)}
+    rows = {lay.rows for lay in lays}
+    at = next(p for p, i in enumerate(index) if isinstance(i, fx.Node))
+    if len(rows) != 1 or any(lay.dim != 0 for lay in lays):
+        return refuse(em, node, "indexes with tensors that are not one selection of rows")
+    lay = next(iter(lays))
+    out_dim = sum(1 for i in index[:at] if not isinstance(i, int))  # where the advanced dims land (adjacent)
+    return em.copy(node, (x_new, *em.value(node.args[1:])), em.value(node.kwargs)), \
+        Local(out_dim, None, lay.rows, lay.whole)
 
 
 def _source_rows(em: Emitter, x: fx.Node, index: Tuple[Any, ...]) -> Tuple[Any, str]:
@@ -169,9 +178,8 @@ def _token_source(em: Emitter, x: fx.Node, dim: int, token: Tuple[int, int]) -> 
     lay, size = em.layout(x), global_shape(x)[dim]
     if isinstance(lay, Sharded) and lay.dim == dim and (size, lay.inner) == token:
         return em.env[x], ""
-    if lay is None or lay == GLOBAL:
-        if size == token[0]:  # one entry per token, held whole: this rank's rows first
-            return em.to_sharded(x, dim, token[1]), ""
+    if lay in (None, GLOBAL) and size == token[0]:  # one entry per token, held whole: this rank's rows first
+        return em.to_sharded(x, dim, token[1]), ""
     return None, (f"indexes dim {dim} of a {tuple(global_shape(x))} tensor ({lay}) with indices into this "
                   f"rank's rows of a token dim of {token[0]} rows (inner {token[1]}), laid out differently")
 
@@ -181,47 +189,49 @@ def _index_add(em: Emitter, node: fx.Node):
     names = ("dim", "index", "source")
     args = list(node.args[1:]) + [node.kwargs[k] for k in names[len(node.args) - 1:] if k in node.kwargs]
     out, (dim, idx, src) = node.args[0], args[:3]
-    lay, ilay, slay = em.layout(out), em.layout(idx), em.layout(src)
+    ilay, slay = em.layout(idx), em.layout(src)
     if not (isinstance(ilay, Local) and ilay.token is not None and isinstance(slay, Local)):
-        return _refuse(em, node, "adds rows by indices that are not token indices of a selection")
+        return refuse(em, node, "adds rows by indices that are not token indices of a selection")
     dim = dim % len(global_shape(out))
-    if _rows(idx, ilay) != _rows(src, slay) or slay.dim != dim:
-        return _refuse(em, node, "adds rows of another selection than its indices")
+    if ilay.rows != slay.rows or ilay.dim != 0 or slay.dim != dim:
+        return refuse(em, node, "adds rows of another selection than its indices")
     out_new, why = _token_source(em, out, dim, ilay.token)
     if why:
-        return _refuse(em, node, why)
-    new = em.copy(node, (out_new, *em.value(node.args[1:])), em.value(node.kwargs))
-    return new, Sharded(dim, ilay.token[1])
+        return refuse(em, node, why)
+    return em.copy(node, (out_new, *em.value(node.args[1:])), em.value(node.kwargs)), Sharded(dim, ilay.token[1])
 
 
-# ------------------------------------------------------------------------- helpers
-def _rows(node: Any, lay: Local) -> Optional[Any]:
-    """The symbol naming a Local value's selection: its unbacked size along the rows."""
-    val = fake_value(node)
-    if not isinstance(val, torch.Tensor):
-        return None
-    size = val.shape[lay.dim]
-    return size.node.expr if isinstance(size, torch.SymInt) else None
+# ------------------------------------------------------------------------- the inverse permutation
+def _invert(em: Emitter, node: fx.Node):
+    """``inv[perm] = arange(n)`` with perm a sort's token indices and inv made like perm: inv becomes
+    token-indexed, Sharded(0, inner), holding each token's row number in the sort (this rank's)."""
+    inv, perm, values = node.args
+    plan, ilay = em.layout(perm), em.layout(inv)
+    if not (isinstance(plan, Local) and plan.whole and plan.token and isinstance(ilay, Local)
+            and ilay.rows == plan.rows and _is_arange(values, global_shape(perm)[0])):
+        return refuse(em, node, "writes by a selection's indices (only `inv[perm] = arange(n)`, the inverse "
+                                "of a sort, has a per-rank form)")
+    ex = fake_value(values)
+    rows = em.call(torch.arange, em.method("size", em.env[perm], 0), dtype=ex.dtype, device=ex.device)
+    new = em.copy(node, (em.env[inv], em.env[perm], rows), {})
+    em.layouts[inv] = Sharded(0, plan.token[1])  # every token's entry written: token-indexed from here on
+    em.row_numbers[inv] = plan.rows
+    return new, None
 
 
-def _dims_of(node: fx.Node, sym: Any) -> List[int]:
-    val = fake_value(node)
-    if not isinstance(val, torch.Tensor):
-        return []
-    return [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and s.node.expr == sym]
+def _is_arange(node: Any, n: int) -> bool:
+    """``torch.arange(n)`` (the row numbers 0..n-1 of a selection of n rows)."""
+    return isinstance(node, fx.Node) and node.target is torch.arange and tuple(node.args) in ((n,), (0, n))
 
 
-def _prod(sizes: Any) -> Any:
-    out = 1
-    for s in sizes:
-        out = out * s
-    return out
+def _back_to_tokens(em: Emitter, node: fx.Node, x: fx.Node, index: Tuple[Any, ...]):
+    """``rows[inv]``: each token's row of the sort, in token order -> Sharded like inv."""
+    inv = next(i for i in index if isinstance(i, fx.Node))
+    lay, ilay = em.layout(x), em.layout(inv)
+    if len(index) != 1 or not isinstance(lay, Local) or lay.dim != 0 or lay.rows != em.row_numbers[inv]:
+        return refuse(em, node, "indexes with row numbers of a selection something other than its rows")
+    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(ilay.dim, ilay.inner)
 
 
-def _refuse(em: Emitter, node: fx.Node, why: str):
-    raise CPRewriteError(
-        f"cp_compile: {_name(node)} at {source_line(node)} {why}: it reads rows selected by data from this "
-        "rank's tokens (torch.where / nonzero), which have no global positions to gather. Fix: act on the "
-        "selected rows one by one (per-row ops, index_add_ back by the same indices), or set "
-        "torch._dynamo.config.capture_dynamic_output_shape_ops = False so the selection runs between graphs."
-    )
+def token_of(lay: Optional[Local]) -> Optional[Tuple[int, int]]:
+    return lay.token if isinstance(lay, Local) else None

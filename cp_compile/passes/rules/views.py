@@ -83,6 +83,10 @@ def along_dim(em: Emitter, node: fx.Node):
     default = 0 if name in ("chunk", "split", "unbind") else None
     pos = {"chunk": 2, "split": 2, "unbind": 1, "repeat_interleave": 2}.get(name, 2)
     dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    if name == "repeat_interleave" and dim is not None and _norm(dim, nd) == s.dim and type(repeats) is int:
+        # each token row repeated r times in place: row t·r + j, i.e. the token dim with inner·r
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim, s.inner * repeats)
     if dim is None or _norm(dim, nd) == s.dim:
         return em.fallback(node, f"{name} along the sequence dim")
     new = em.copy(node, *em.value((node.args, node.kwargs)))
