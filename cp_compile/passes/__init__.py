@@ -20,7 +20,8 @@
    inside the model, ``logits[:, :-1]`` against ``labels[:, 1:]``) becomes the same loss on
    the whole sequence with its targets padded by ``ignore_index``: no slice of sharded logits;
 3. :mod:`.seq_inputs` — which graph inputs carry the sequence, and along which dim;
-   :mod:`.seq_origins` — where none does, the nodes where the sequence arises;
+   :mod:`.seq_origins` — where none does, the nodes where the sequence arises (a patch
+   convolution upstream opened first into patches + linear, :mod:`.patch_conv`);
 4. :mod:`.rewrite` — sequence-layout propagation emitting the per-rank graph: rules in
    :mod:`.rules` (one table, rules by op class), the rule oracle for ops with no rule
    (:mod:`.oracle`, :mod:`.oracle_aten`), indices in :mod:`.seqindex`, rows selected

@@ -78,4 +78,4 @@ def factory(seq_len: int = SEQ_LEN, seed: int = 0):
 
 
 MEMBER = Member("vit_registers", "timm ViT: conv patch embedding, cls + 4 register tokens cat before patches, cls loss",
-                factory)
+                factory, worlds=(2, 4))
