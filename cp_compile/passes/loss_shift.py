@@ -173,7 +173,8 @@ def _move(gm: fx.GraphModule, loss: fx.Node, ctx: RewriteContext) -> int:
     fe = FakeEmitter(gm.graph, loss, sl)
     new = sl.args[0]
     for node, args in zip(chain, steps):
-        new = fe._node(node.op, node.target, (new, *args), dict(node.kwargs))
+        emit = fe.fn if node.op == "call_function" else fe.method
+        new = emit(node.target, new, *args, **node.kwargs)
     tgt = bound.arguments["target"]
     padded = _pad_target(fe, tgt, seq, sl.args[0], dim, (a, b), bound.arguments["ignore_index"])
     loss.replace_input_with(bound.arguments["input"], new)
