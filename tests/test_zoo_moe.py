@@ -1,0 +1,166 @@
+"""Mixture-of-experts routing under ring_cp (cp_compile.passes.rules.routing, routing_rows).
+
+The zoo members ``mixtral`` (hand-written, ``torch.where`` per expert + ``index_add_``) and
+``hf_mixtral`` (transformers' ``grouped_mm`` experts: sort by expert, grouped matmul, inverse
+permutation) are checked end to end by tests/test_zoo.py. Here:
+
+* structure (``cp-compile explain``, no process group): the routing ops act on this rank's
+  B·c token rows, no gather anywhere, for the hand model, HF's default ``grouped_mm`` and its
+  ``batched_mm`` experts;
+* the load-balancing auxiliary loss alone (HF's ``.aux_loss``; the hand model's means over the
+  flattened tokens) equals the one-process value on 2 and 4 ranks, with its gradients;
+* without ``capture_dynamic_output_shape_ops`` Dynamo breaks the graph at ``nonzero``: the
+  pieces are exact too;
+* refusals: a reduction over the selected rows, naming the op, the line and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cp_compile
+from cp_compile.errors import CPRewriteError
+from cp_compile.tools.explain import inspect
+from zoo import BATCH, SEQ_LEN
+from zoo import hf_mixtral, mixtral
+
+DYNAMIC = {"capture_dynamic_output_shape_ops": True}
+
+
+def _explain(model, args, world=2):
+    with torch._dynamo.config.patch(**DYNAMIC):
+        return inspect(model, args, world_size=world)
+
+
+def _targets(gm) -> list:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes]
+
+
+def _local_shape(gm, name: str) -> tuple:
+    node = next(n for n in gm.graph.nodes if getattr(n.target, "__name__", str(n.target)) == name)
+    return tuple(node.args[0].meta["val"].shape)
+
+
+def test_hand_mixtral_routes_this_ranks_tokens_without_a_gather():
+    """torch.where on the (E, k, B·c) mask, the rows gathered by top_x, index_add_ into (B·c, D)."""
+    model, args = mixtral.factory()
+    report = _explain(model, args)
+    rows = BATCH * SEQ_LEN // 2  # B·c token rows on each of 2 ranks
+    assert report.ctx.fallbacks == []
+    assert "gather_seq" not in _targets(report.after)
+    wheres = [n for n in report.after.graph.nodes if n.target is torch.where and len(n.args) == 1]
+    assert len(wheres) == 2 * mixtral.EXPERTS  # every expert of every layer
+    assert all(tuple(n.args[0].meta["val"].shape) == (mixtral.TOP_K, rows) for n in wheres)
+    adds = [n for n in report.after.graph.nodes if n.target == "index_add_"]
+    assert adds and all(tuple(n.args[0].meta["val"].shape) == (rows, mixtral.DIM) for n in adds)
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
+def test_hf_mixtral_experts_stay_on_this_ranks_rows(experts):
+    """grouped_mm: sort of the B·c·k expert ids, grouped matmul, inverse permutation; batched_mm:
+    the expert weights indexed per row. Neither gathers; the aux loss's histc is all-reduced."""
+    model, args = hf_mixtral.factory(experts_implementation=experts)
+    report = _explain(model, args)
+    pairs = BATCH * SEQ_LEN // 2 * 2  # B·c tokens × top-2 on each of 2 ranks
+    assert report.ctx.fallbacks == []
+    assert "gather_seq" not in _targets(report.after)
+    if experts == "grouped_mm":
+        assert _local_shape(report.after, "sort") == (pairs,)
+    else:
+        assert _local_shape(report.after, "bmm")[0] == pairs
+    assert "histc" in _targets(report.after) and "all_reduce_sum" in _targets(report.after)
+
+
+class _AuxOnly(torch.nn.Module):
+    """The hand Mixtral's load-balancing loss alone (router logits of every layer)."""
+
+    def __init__(self, model: mixtral.Mixtral) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        m, x = self.m, self.m.embed_tokens(input_ids)
+        pos = torch.arange(input_ids.shape[1]).float()
+        emb = torch.cat((torch.outer(pos, m.inv_freq),) * 2, dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        logits = []
+        for layer in m.layers:
+            x, router_logits = layer(x, cos, sin)
+            logits.append(router_logits)
+        return mixtral.load_balancing_loss(torch.cat(logits, dim=0))
+
+
+class _HFAux(torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, labels=labels).aux_loss
+
+
+def _aux_on_rank(which: str, dynamo: dict, fullgraph: bool) -> dict:
+    """Relative errors of the aux loss (or loss) and its worst gradient against one process."""
+    if which == "hand":
+        model, (ids, _) = mixtral.factory()
+        ref, inputs = _AuxOnly(model), (ids,)
+    elif which == "hand_loss":
+        ref, inputs = mixtral.factory()
+    else:
+        model, inputs = hf_mixtral.factory()
+        ref = _HFAux(model.lm)
+    cp = copy.deepcopy(ref)
+    torch._dynamo.reset()
+    want = ref(*inputs)
+    want.backward()
+    backend = cp_compile.RingCP(inner="aot_eager")
+    with torch._dynamo.config.patch(**dynamo):
+        got = torch.compile(cp, backend=backend, fullgraph=fullgraph)(*inputs)
+        got.backward()
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
+    grads = [rel(p.grad, q.grad) for p, q in zip(cp.parameters(), ref.parameters()) if q.grad is not None]
+    return {"loss": rel(got.detach(), want.detach()), "grad": max(grads), "value": want.item(),
+            "graphs": len(backend.records), "fallbacks": [f for r in backend.records for f in r.fallbacks]}
+
+
+@pytest.mark.parametrize("which,world", [("hand", 2), ("hf", 4)])
+def test_aux_loss_is_the_one_process_aux_loss(ranks, which, world):
+    """Both means over the flattened tokens are global: sum over ranks / the global count."""
+    for r in ranks.run(world, _aux_on_rank, which, DYNAMIC, True, timeout=300):
+        assert r["loss"] <= 1e-6 and r["grad"] <= 1e-5, r
+        assert r["fallbacks"] == [] and r["value"] > 0.5  # E·Σ f·P is ~1 for a near-uniform router
+
+
+def test_graph_breaks_at_nonzero_are_exact(ranks):
+    """Without capture_dynamic_output_shape_ops every torch.where breaks the graph: the pieces
+    hand whole values across the breaks, and the loss and gradients stay the one-process ones."""
+    per_rank = ranks.run(2, _aux_on_rank, "hand_loss", {}, False, timeout=300)
+    for r in per_rank:
+        assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r
+        assert r["graphs"] > 1, r
+
+
+class _RowSum(torch.nn.Module):
+    """Selects rows by data, then sums over them: no per-rank form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv = torch.nn.Embedding(101, 16), torch.nn.Linear(16, 48)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.emb(ids)).view(3, SEQ_LEN, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(-1, 16)
+        (picked,) = torch.where(h[:, 0] > 0)
+        return h[picked].cumsum(0).sum()
+
+
+def test_a_scan_over_selected_rows_is_refused_naming_the_op_and_the_fix():
+    ids = torch.randint(0, 101, (3, SEQ_LEN))
+    with pytest.raises(CPRewriteError) as err:
+        _explain(_RowSum(), (ids,))
+    msg = str(err.value)
+    assert "cumsum" in msg and "test_zoo_moe.py" in msg and "Fix:" in msg
