@@ -125,6 +125,45 @@ def test_shifted_losses_are_exact_without_a_gather(ranks, world, form, seq):
         assert fallbacks == 0 and gathers == 0
 
 
+class _NextFrame(nn.Module):
+    """Next-frame regression: frames (B, S, 12) in, each position predicts the next frame."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.loss = F.mse_loss if loss == "mse" else F.l1_loss
+        self.qkv, self.out = nn.Linear(12, 36), nn.Linear(12, 12)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        B, S, _ = frames.shape
+        q, k, v = self.qkv(frames).view(B, S, 3, 2, 6).permute(2, 0, 3, 1, 4)  # (B, 2, S, 6) each
+        pred = self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, 12))
+        if self.loss is F.l1_loss:  # the other direction: the first position dropped, padding copies a kept one
+            return self.loss(pred[:, 1:], frames[:, :-1])
+        return self.loss(pred[:, :-1], frames[:, 1:])
+
+
+def _exact_next_frame(loss: str, seq: int):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref_model, cp_model = _NextFrame(loss), _NextFrame(loss)
+    cp_model.load_state_dict(ref_model.state_dict())
+    frames = torch.randn(2, seq, 12, generator=torch.Generator().manual_seed(5))
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (frames,))
+    grads = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    gathers = sum(_calls(gm, "gather_seq") for gm in backend.graphs)
+    return _rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
+
+
+@pytest.mark.parametrize("world,loss,seq", [(2, "mse", 24), (4, "l1", 26)])
+def test_next_frame_regression_losses_are_exact_without_a_gather(ranks, world, loss, seq):
+    """mse on pred[:, :-1] against frames[:, 1:] (the sequence input, read whole), l1 the other way
+    round: terms kept where the slice kept them, the mean over the sliced count; 26 frames on 4
+    ranks are padded (padding rows copy the last position, which [:, 1:] keeps: they must not count)."""
+    for loss_err, grad_err, fallbacks, gathers in ranks.run(world, _exact_next_frame, loss, seq):
+        assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
+        assert fallbacks == 0 and gathers == 0
+
+
 def test_under_a_symbolic_length_the_shift_is_rewritten_too():
     """Dynamic shapes: the bounds [:, :-1] / [:, 1:] mean the same at every length; the target's
     length S - 1 is computed in the graph from the logits' symbolic size."""

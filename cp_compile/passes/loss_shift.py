@@ -1,5 +1,6 @@
-"""A class loss on a slice of the sequence becomes the same loss on the whole sequence,
-its targets padded with ``ignore_index`` where the slice dropped positions.
+"""A loss on a slice of the sequence becomes the same loss on the whole sequence, its targets
+padded with ``ignore_index`` (class losses) or masked out (elementwise losses) where the slice
+dropped positions.
 
 Before (a label shift inside the model: nanoGPT-style code, ``examples/models.py`` with
 ``shift_labels_inside``; any ``[:, a:S-b]`` with step 1):
@@ -11,6 +12,11 @@ After (the same function on one device, a program identity):
 
     logits (B, S, V) ─ contiguous / casts ─ reshape(-1, V) ───────────────────────────────────┐
     y ─ reshape(-1) ─ reshape(outer, S-a-b, inner) ─ pad((a, b), ignore_index) ─ reshape(-1) ─ cross_entropy
+
+``mse_loss`` / ``l1_loss`` (next-frame prediction, ``mse(pred[:, :-1], x[:, 1:])``): the other
+operand is padded with zeros, the per-element terms are kept only at the positions the
+slice kept (``where(valid, mse(.., reduction="none"), 0).sum()``), and a mean divides by the
+sliced element count.
 
 A target equal to ``ignore_index`` adds nothing to the sum and nothing to the count of a
 mean (with class weights and label smoothing too), so the loss is unchanged. The slice of
@@ -28,7 +34,8 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -39,7 +46,8 @@ from .emitter import erase_unused
 from .fake_emit import FakeEmitter
 from .layouts import Sharded, view_layout
 
-LOSSES = (F.cross_entropy, F.nll_loss)
+CLASS_LOSSES = (F.cross_entropy, F.nll_loss)
+ELEMENTWISE_LOSSES = (F.mse_loss, F.l1_loss)
 _ROW_METHODS = {"contiguous", "float", "double", "half", "bfloat16", "to", "type", "type_as", "clone", "detach",
                 "tanh", "neg"}
 _ROW_FUNCS = {torch.tanh, torch.neg, operator.neg}
@@ -51,7 +59,7 @@ _VIEWS = {"view", "reshape", torch.reshape}
 def move_loss_slices(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     """Rewrite every class loss read through a sequence slice (module docstring); the count."""
     count = sum(_move(gm, node, ctx) for node in list(gm.graph.nodes)
-                if node.op == "call_function" and node.target in LOSSES)
+                if node.op == "call_function" and node.target in CLASS_LOSSES + ELEMENTWISE_LOSSES)
     if count:
         gm.graph.lint()
         gm.recompile()
@@ -66,6 +74,9 @@ def _loss_args(loss: fx.Node) -> Optional[inspect.BoundArguments]:
     bound.apply_defaults()
     a = bound.arguments
     ok = a.get("size_average") is None and a.get("reduce") is None and a["reduction"] in ("mean", "sum")
+    if loss.target in ELEMENTWISE_LOSSES:  # both operands tensors of one shape, no weights
+        ok = ok and a.get("weight") is None and all(isinstance(a[k], fx.Node) for k in ("input", "target"))
+        return bound if ok and global_shape(a["input"]) == global_shape(a["target"]) else None
     return bound if ok and type(a["ignore_index"]) is int and isinstance(a["target"], fx.Node) else None
 
 
@@ -154,48 +165,89 @@ def _row_chain(start: fx.Node, ctx: RewriteContext) -> Optional[Tuple[fx.Node, T
     return None
 
 
-def _move(gm: fx.GraphModule, loss: fx.Node, ctx: RewriteContext) -> int:
-    bound = _loss_args(loss)
-    found = _row_chain(bound.arguments["input"], ctx) if bound is not None else None
+@dataclass
+class _Unsliced:
+    """A loss operand read through a sequence slice, rebuilt on the whole sequence."""
+
+    fe: FakeEmitter  # emits before the loss, with its source line
+    new: fx.Node  # the operand's ops applied to the unsliced value
+    seq: Sharded  # where the sequence factor lands in the operand
+    whole: fx.Node  # the value the slice was taken of
+    dim: int  # its sliced dim
+    ab: Tuple[int, int]  # positions dropped at the start and at the end
+
+
+def _unslice(gm: fx.GraphModule, loss: fx.Node, operand: fx.Node, ctx: RewriteContext,
+             class_dim: bool) -> Optional[_Unsliced]:
+    found = _row_chain(operand, ctx)
     if found is None:
-        return 0
+        return None
     sl, (dim, a, b), chain = found
     seq, length, steps = Sharded(dim), ctx.seq_len - a - b, []
     for node in chain:
         step = _step(node, seq, length)
         if step is None:
-            return 0
+            return None
         seq = step[0]
         steps.append(step[1])
-    nd = len(global_shape(bound.arguments["input"]))
-    if nd > 1 and seq.dim == 1:
-        return 0  # the sequence in the class dim: not a per-token loss
+    if class_dim and len(global_shape(operand)) > 1 and seq.dim == 1:
+        return None  # the sequence in the class dim: not a per-token loss
     fe = FakeEmitter(gm.graph, loss, sl)
     new = sl.args[0]
     for node, args in zip(chain, steps):
         emit = fe.fn if node.op == "call_function" else fe.method
         new = emit(node.target, new, *args, **node.kwargs)
-    tgt = bound.arguments["target"]
-    padded = _pad_target(fe, tgt, seq, sl.args[0], dim, (a, b), bound.arguments["ignore_index"])
-    loss.replace_input_with(bound.arguments["input"], new)
-    loss.replace_input_with(tgt, padded)
-    erase_unused(gm.graph, [bound.arguments["input"]])
-    log.info("cp_compile: the loss at %s reads the sequence sliced [%d:S-%d] (%s): computed on the whole "
-             "sequence with its targets padded by ignore_index, no gather", source_line(loss), a, b, source_line(sl))
+    return _Unsliced(fe, new, seq, sl.args[0], dim, (a, b))
+
+
+def _move(gm: fx.GraphModule, loss: fx.Node, ctx: RewriteContext) -> int:
+    bound = _loss_args(loss)
+    if bound is None:
+        return 0
+    args, elementwise = bound.arguments, loss.target in ELEMENTWISE_LOSSES
+    for name, other in (("input", "target"), ("target", "input"))[: 2 if elementwise else 1]:
+        un = _unslice(gm, loss, args[name], ctx, class_dim=not elementwise)
+        if un is not None:
+            break
+    else:
+        return 0
+    old = args[name]
+    if elementwise:
+        _masked_elementwise(gm, loss, un, args[other], args["reduction"])
+    else:
+        td = 0 if un.seq.dim == 0 else un.seq.dim - 1  # input (N, C, d1..) pairs with target (N, d1..)
+        loss.replace_input_with(old, un.new)
+        loss.replace_input_with(args[other], _pad(un, args[other], td, args["ignore_index"]))
+    erase_unused(gm.graph, [old])
+    log.info("cp_compile: the loss at %s reads the sequence sliced [%d:S-%d]: computed on the whole sequence, "
+             "the other operand padded (no gather)", source_line(loss), *un.ab)
     return 1
 
 
-def _pad_target(fe: FakeEmitter, tgt: fx.Node, seq: Sharded, x: fx.Node, dim: int, ab: Tuple[int, int],
-                ignore: int) -> fx.Node:
-    """``tgt`` (the sliced length S' = S-a-b in its sequence factor) placed at positions a..S-b-1 of
-    the whole sequence, ``ignore`` elsewhere: the same shape with S in place of S'."""
-    td = 0 if seq.dim == 0 else seq.dim - 1  # class losses: input (N, C, d1..) pairs with target (N, d1..)
-    nd = fake_value(tgt).dim()
-    s_new = fe.size(x, dim)
-    s_cut = s_new - sum(ab) if isinstance(s_new, int) else fe.fn(operator.sub, s_new, sum(ab))
+def _masked_elementwise(gm: fx.GraphModule, loss: fx.Node, un: _Unsliced, other: fx.Node, reduction: str) -> None:
+    """mse_loss / l1_loss: per-element terms on the whole sequence, zero at the dropped positions;
+    a mean divides by the sliced operand's element count (the loss node is replaced)."""
+    fe = un.fe
+    padded = _pad(un, other, un.seq.dim, 0)
+    valid = _pad(un, fe.fn(torch.ones_like, other, dtype=torch.bool), un.seq.dim, False)
+    terms = fe.fn(torch.where, valid, fe.fn(loss.target, un.new, padded, reduction="none"), 0.0)
+    total = fe.method("sum", terms)
+    if reduction == "mean":
+        n = fake_value(other).numel()
+        total = fe.fn(operator.truediv, total, n if isinstance(n, int) else fe.method("numel", other))
+    loss.replace_all_uses_with(total)
+    gm.graph.erase_node(loss)
+
+
+def _pad(un: _Unsliced, tgt: fx.Node, td: int, value: Any) -> fx.Node:
+    """``tgt`` (the sliced length S' = S-a-b in its sequence factor at dim ``td``) placed at positions
+    a..S-b-1 of the whole sequence, ``value`` elsewhere: the same shape with S in place of S'."""
+    fe, nd = un.fe, fake_value(tgt).dim()
+    s_new = fe.size(un.whole, un.dim)
+    s_cut = s_new - sum(un.ab) if isinstance(s_new, int) else fe.fn(operator.sub, s_new, sum(un.ab))
     pre = [fe.size(tgt, i) for i in range(td)]
     post = [fe.size(tgt, i) for i in range(td + 1, nd)]
-    split = fe.method("reshape", tgt, *pre, -1, s_cut, seq.inner, *post)  # (..., outer, S', inner, ...)
-    pad = (0, 0) * (1 + len(post)) + tuple(ab)
-    whole = fe.fn(F.pad, split, pad, value=ignore)  # (..., outer, S, inner, ...)
+    split = fe.method("reshape", tgt, *pre, -1, s_cut, un.seq.inner, *post)  # (..., outer, S', inner, ...)
+    pad = (0, 0) * (1 + len(post)) + tuple(un.ab)
+    whole = fe.fn(F.pad, split, pad, value=value)  # (..., outer, S, inner, ...)
     return fe.method("reshape", whole, *pre, -1, *post)
