@@ -98,16 +98,25 @@ def _eval_exact(name: str) -> dict:
     factory = {"nn_encoder": nn_encoder.factory, "nn_decoder_only": nn_decoder_only.factory}[name]
     model, args, kwargs = example_inputs(factory())
     model.eval()
-    backend = cp_compile.RingCP(inner="aot_eager")
-    compiled = torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)
+    backend, seen = cp_compile.RingCP(inner="aot_eager"), []
+
+    def recording(gm, example_inputs):  # what Dynamo hands the backend: the fast path or the Python layers
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(copy.deepcopy(model), backend=recording, fullgraph=True)
     with torch.no_grad():
         ref, out = model(*args, **kwargs), compiled(*args, **kwargs)
     return {"rel": ((out - ref).abs() / ref.abs()).item(), "rings": sum(r.rings for r in backend.records),
+            "fastpath": any("_transformer_encoder_layer_fwd" in t for t in seen),
             "attention": sum(len(r.attention) for r in backend.records),
             "fallbacks": [f for r in backend.records for f in r.fallbacks]}
 
 
-@pytest.mark.parametrize("name", ["nn_encoder", "nn_decoder_only"])
-def test_eval_mode_is_exact(ranks, name) -> None:
+@pytest.mark.parametrize("name,fastpath", [("nn_encoder", False), ("nn_decoder_only", True)])
+def test_eval_mode_is_exact(ranks, name, fastpath) -> None:
+    """Sequence-first layers take the Python path in eval too; the batch-first causal GPT's
+    layers take the fused fast path (opened by expand_fastpath, its square mask read as causal)."""
     for r in ranks.run(2, _eval_exact, name, timeout=240):
         assert r["rel"] <= 1e-5 and r["rings"] == r["attention"] == 2 and not r["fallbacks"], r
+        assert r["fastpath"] == fastpath, r
