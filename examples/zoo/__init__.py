@@ -39,8 +39,6 @@ class Member:
     min_sharded: float = 0.9  # lower bound on the record's sharded fraction of activation bytes
     fullgraph: bool = True  # compiled with fullgraph=True (False where Dynamo must break the graph)
     tol: float = 1e-5  # relative error bound on the loss and every parameter gradient (fp32)
-    dynamo_config: Tuple[Tuple[str, Any], ...] = ()  # torch._dynamo.config settings the member is traced
-    # under, e.g. (("capture_dynamic_output_shape_ops", True),) to keep nonzero in the graph (MoE routing)
 
 
 def members() -> Dict[str, Member]:

@@ -76,13 +76,7 @@ def _second_call(compiled: torch.nn.Module, inputs: Any, world: int) -> Tuple[Li
 
 
 def measure(name: str, seq_len: int = SEQ_LEN) -> Dict[str, Any]:
-    """Run member ``name`` on this rank (see the module docstring); needs an initialised process group.
-    Explain and the compiled run are traced under the member's ``dynamo_config``."""
-    with torch._dynamo.config.patch(**dict(members()[name].dynamo_config)):
-        return _measure(name, seq_len)
-
-
-def _measure(name: str, seq_len: int) -> Dict[str, Any]:
+    """Run member ``name`` on this rank (see the module docstring); needs an initialised process group."""
     import torch.distributed as dist
 
     import cp_compile

@@ -10,6 +10,9 @@ to e) · (mean router probability of e), both means over all tokens of all layer
 
 Routing is per token: under ring_cp every rank routes its own tokens, and the indices
 ``torch.where`` finds select among this rank's rows (no gather); the two means are global.
+With ``fullgraph=True`` Dynamo keeps ``torch.where(mask)`` (nonzero, a data-dependent size) in
+the graph; with ``fullgraph=False`` it breaks the graph there unless
+``torch._dynamo.config.capture_dynamic_output_shape_ops = True``.
 """
 
 from __future__ import annotations
@@ -147,4 +150,4 @@ def factory(seq_len: int = SEQ_LEN, seed: int = 0):
 
 MEMBER = Member("mixtral", "Mixtral MoE: router softmax, top-2 of 4 experts, torch.where per expert over the "
                 "flattened tokens, index_add_ back; load-balancing aux loss as global means", factory,
-                worlds=(2, 4), dynamo_config=(("capture_dynamic_output_shape_ops", True),))
+                worlds=(2, 4))

@@ -25,9 +25,9 @@ token dim has the same global size and ``inner`` (the same local arrangement
 with no communication. What has no per-rank form (a reduction or scan over the selected rows
 into a value used outside the selection, mixing two selections, an index into a dim laid out
 differently) is refused with a CPRewriteError naming the op, its line and the fix: a Local
-value cannot be gathered, its rows have no global positions. Dynamo keeps ``nonzero`` in one
-graph only under ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``; without
-it the graph breaks there and the selection runs between graphs on gathered values.
+value cannot be gathered, its rows have no global positions. Dynamo keeps ``nonzero`` in the
+graph under ``fullgraph=True`` (or ``capture_dynamic_output_shape_ops = True``); otherwise the
+graph breaks there and the selection runs between graphs on whole values.
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def refuse(em: Emitter, node: fx.Node, why: str):
     raise CPRewriteError(
         f"cp_compile: {_name(node)} at {source_line(node)} {why}: it reads rows selected by data from this "
         "rank's tokens (torch.where / nonzero / sort), which have no global positions to gather. Fix: act on "
-        "the selected rows one by one (per-row ops, index_add_ back by the same indices), or set "
-        "torch._dynamo.config.capture_dynamic_output_shape_ops = False so the selection runs between graphs."
+        "the selected rows one by one (per-row ops, index_add_ back by the same indices), or compile with "
+        "fullgraph=False (capture_dynamic_output_shape_ops off) so the selection runs between graphs, on "
+        "whole values."
     )
