@@ -50,7 +50,7 @@ def _masked(s: Tensor, mask: Optional[Tensor], causal: bool, row0: int = 0) -> T
     return s
 
 
-TILE_ELEMENTS = 1 << 18  # B·H·rows·Lk of one tile of explicit scores (1 MiB fp32); 0: whole rectangles
+TILE_ELEMENTS = 1 << 16  # B·H·rows·Lk of one tile of explicit scores (256 KiB fp32); 0: whole rectangles
 
 
 def _tiles(q: Tensor, k: Tensor, score: ScoreFn) -> List[slice]:
@@ -62,8 +62,14 @@ def _tiles(q: Tensor, k: Tensor, score: ScoreFn) -> List[slice]:
     return [slice(r, min(r + rows, lq)) for r in range(0, lq, rows)]
 
 
-def _rows(mask: Optional[Tensor], r: slice) -> Optional[Tensor]:
-    return mask if mask is None or mask.shape[-2] == 1 else mask[..., r, :]
+def _tile_args(r: slice, lk: int, causal: bool, score: ScoreFn, mask: Optional[Tensor]):
+    """(keys kept, score fn, mask) of the row tile ``r``: in a causal rectangle the keys after the
+    tile's last row are all masked, so they are left out (half the work of a diagonal block)."""
+    kc = min(r.stop, lk) if causal else lk
+    if mask is not None:
+        mask = mask if mask.shape[-2] == 1 else mask[..., r, :]
+        mask = mask if mask.shape[-1] == 1 else mask[..., :kc]
+    return kc, score.rows(r, kc), mask
 
 
 def _grouped(x: Tensor, h_kv: int) -> Tensor:
@@ -84,7 +90,10 @@ class ScoresKernel:
         tiles = _tiles(q, k, score)
         if len(tiles) == 1:
             return self._forward(q, k, v, causal, scale, score, mask, 0)
-        parts = [self._forward(q[:, :, r], k, v, causal, scale, score.rows(r), _rows(mask, r), r.start) for r in tiles]
+        parts = []
+        for r in tiles:
+            kc, fn, m = _tile_args(r, k.shape[2], causal, score, mask)
+            parts.append(self._forward(q[:, :, r], k[:, :, :kc], v[:, :, :kc], causal, scale, fn, m, r.start))
         return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
 
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, score: ScoreFn,
@@ -105,12 +114,14 @@ class ScoresKernel:
         tiles = _tiles(q, k, score)
         if len(tiles) == 1:
             return self._backward(dout, q, k, v, out, lse, causal, scale, score, mask, 0)
-        dq, dk, dv = [], None, None
+        dq, dk, dv = [], k.new_zeros(k.shape, dtype=_ct(q.dtype)), v.new_zeros(v.shape, dtype=_ct(q.dtype))
         for r in tiles:
-            t = self._backward(dout[:, :, r], q[:, :, r], k, v, out[:, :, r], lse[:, :, r], causal, scale,
-                               score.rows(r), _rows(mask, r), r.start)
+            kc, fn, m = _tile_args(r, k.shape[2], causal, score, mask)
+            t = self._backward(dout[:, :, r], q[:, :, r], k[:, :, :kc], v[:, :, :kc], out[:, :, r], lse[:, :, r],
+                               causal, scale, fn, m, r.start)
             dq.append(t[0])
-            dk, dv = (t[1], t[2]) if dk is None else (dk + t[1], dv + t[2])
+            dk[:, :, :kc] += t[1]
+            dv[:, :, :kc] += t[2]
         return torch.cat(dq, dim=2), dk, dv
 
     def _backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,

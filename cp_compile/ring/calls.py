@@ -72,8 +72,9 @@ class BoundScore:
     def __call__(self, s: Tensor) -> Tensor:
         return self.mods.scores(s, self.q_pos, self.k_pos)
 
-    def rows(self, r: slice) -> "BoundScore":
-        return BoundScore(self.mods, self.q_pos[r], self.k_pos)
+    def rows(self, r: slice, keys: int) -> "BoundScore":
+        """Bound to the rows ``r`` and the first ``keys`` keys of the rectangle."""
+        return BoundScore(self.mods, self.q_pos[r], self.k_pos[:keys])
 
 
 def _score_fn(spec: MaskSpec, seg: Segment, pos: BlockPositions, rank: int, src: int, valid_len: int):
