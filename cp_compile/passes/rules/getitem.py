@@ -64,7 +64,9 @@ def _table_lookup(em: Any, node: fx.Node, index: Optional[tuple]):
 
     Each result row is the table's entry at that row's id, so this rank's ids give this rank's
     rows: the ids' sequence dim lands where the ids' dims are placed (at the first tensor index,
-    every index before it a full slice). Several tensor indices must be sharded alike."""
+    every index before it a full slice), with the ids' ``inner`` (expert ids of the (token, slot)
+    pairs, (B·S·k,) with inner k: HF's ``gate_up_proj[expert_ids]``). Several tensor indices must
+    be sharded alike."""
     if index is None:
         return None
     ids = [(at, i) for at, i in enumerate(index) if isinstance(i, fx.Node)]
@@ -74,9 +76,9 @@ def _table_lookup(em: Any, node: fx.Node, index: Optional[tuple]):
     plain = all(i == slice(None) for i in index if not isinstance(i, fx.Node))
     lay = next(iter(lays))
     if len(lays) != 1 or len(shapes) != 1 or not adjacent or not plain or not isinstance(lay, Sharded) \
-            or lay.inner != 1 or any(fake_value(i).dtype in (torch.bool, torch.uint8) for _, i in ids):
+            or any(fake_value(i).dtype in (torch.bool, torch.uint8) for _, i in ids):
         return None
-    return em.copy(node, (em.env[node.args[0]], em.value(node.args[1])), {}), Sharded(ids[0][0] + lay.dim)
+    return em.copy(node, (em.env[node.args[0]], em.value(node.args[1])), {}), Sharded(ids[0][0] + lay.dim, lay.inner)
 
 
 def _whole_input(em: Any, x: fx.Node) -> Optional[fx.Node]:

@@ -15,7 +15,7 @@ tokens. The rules, on rows of this rank (c = S/N tokens, T = B·S flattened, k s
     out (T/N, D) Sharded(0) .index_add_(0, top_x, rows) ─> Sharded(0)
     inv = empty_like(perm); inv[perm] = arange(n) ─> inv Sharded(0, inner k), row numbers of the sort
     rows[inv] ─> Sharded(0, inner k): each token's row back in token order
-    W (E, F, D) whole   W[ids] with ids Sharded(0) ─> Sharded(0)   (a row of W per token: batched_mm experts)
+    (W[ids] with ids Sharded, a row of W per token as in HF's batched_mm experts: getitem's table lookup)
 
 ``Local(d)``: the rows along d are the rows the one-process program selects, restricted to
 this rank's tokens, in this rank's order (``rows`` names the selection). Indices found on
@@ -86,27 +86,6 @@ def sort(em: Emitter, node: fx.Node):
     if "argsort" in str(_key(node)):
         return new, perm
     return new, (Local(0, None, node.name, whole=True), perm)
-
-
-def is_lookup(em: Emitter, node: fx.Node) -> bool:
-    """``W[ids]``: a whole tensor (an expert's weights) indexed by one Sharded integer tensor, the rest
-    full slices: one row of W per token, like an embedding."""
-    if node.target is not operator.getitem or em.layout(node.args[0]) not in (None, GLOBAL):
-        return False
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    tensors = [i for i in index if isinstance(i, fx.Node)]
-    full = all(isinstance(i, fx.Node) or i == slice(None) for i in index)
-    val = fake_value(tensors[0]) if len(tensors) == 1 else None
-    return full and isinstance(val, torch.Tensor) and not val.dtype.is_floating_point and val.dtype is not torch.bool \
-        and _sharded(em, tensors[0]) is not None and tensors[0] not in em.row_numbers
-
-
-def lookup(em: Emitter, node: fx.Node):
-    """``W[:, ids]`` with ids Sharded(d): the result's dims at the index's place are ids' dims, Sharded there."""
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    at = next(p for p, i in enumerate(index) if isinstance(i, fx.Node))
-    s = _sharded(em, index[at])
-    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(at + s.dim, s.inner)
 
 
 def involves_local(em: Emitter, node: fx.Node) -> bool:

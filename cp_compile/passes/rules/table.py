@@ -14,7 +14,7 @@ themselves live in the modules named in the first column).
 | getitem (getitem.py) | ``...`` expanded; a slice covering all of d (``[:, 0:]``); one position ``x[:, i]`` (cls / last-token pooling) | Sharded(d moved); one position: picked on its rank, all-reduce -> Global |
 | size (reductions.py) | ``x.size()`` / ``x.size(d)`` (dynamic shapes) | Global: the global sizes, S along d |
 | reductions (reductions.py) | sum/mean over d; histc (padding rows moved out of its range) | all-reduce -> Global (mean: / global count) |
-| selections (routing.py, routing_rows.py) | torch.where(mask) / nonzero of a Sharded mask, sort of 1-D Sharded expert ids; x[top_x], index_select, index_add_ by those indices; per-row ops, histc / grouped_mm on the selected rows; the inverse permutation; W[ids] (a weight row per token) | Local (this rank's tokens, selected by data); index_add_ / rows[inv] back -> Sharded |
+| selections (routing.py, routing_rows.py) | torch.where(mask) / nonzero of a Sharded mask, sort of 1-D Sharded expert ids; x[top_x], index_select, index_add_ by those indices; per-row ops, histc / grouped_mm on the selected rows; the inverse permutation | Local (this rank's tokens, selected by data); index_add_ / rows[inv] back -> Sharded |
 | attention (attention.py) | scaled_dot_product_attention on Sharded or whole q/k/v (whole: indexed by position) | ring_attention -> Sharded |
 | flex attention (flex.py) | torch.ops.higher_order.flex_attention: mask_mod / score_mod at global positions, their buffers whole | ring_attention(mods=...) -> (Sharded, Sharded, -) |
 | losses (attention.py) | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
@@ -41,7 +41,7 @@ from .flex import flex_rules
 from .getitem import getitem
 from .pointwise import POINTWISE_FUNCS, POINTWISE_METHODS, addmm, matmul, per_token, pointwise
 from .reductions import histc, reduction, size
-from .routing import _SELECT, _SORT, involves_local, is_lookup, local_rule, lookup, select, sort, where
+from .routing import _SELECT, _SORT, involves_local, local_rule, select, sort, where
 from .views import along_dim, concat, expand, permute, shape_only, view
 
 
@@ -90,8 +90,6 @@ def apply_rule(em: Emitter, node: fx.Node):
     """Layout and new value of ``node``, which has at least one Sharded or Local input."""
     if involves_local(em, node):
         return local_rule(em, node)
-    if is_lookup(em, node):  # W[ids]: a row of a whole tensor per token (routing.py)
-        return lookup(em, node)
     rule = RULES.get(_key(node))
     if rule is None:
         decided = decide(em, node)  # no hand rule: ask the op's ATen decomposition before gathering
