@@ -63,6 +63,15 @@ def test_alibi_becomes_a_score_rule_without_mask_rows(variant: dict) -> None:
         assert all(s[1] in (1, 4) and s[0] == 1 for s in shapes), shapes  # (1, H|1, S|1, S|1)
 
 
+def test_causality_stays_the_flag_where_the_mask_is_too_long_to_evaluate() -> None:
+    """At S = 4096 the (H, S, S) bias and the (S, S) causal term are too large to evaluate at compile
+    time: ``~(kv > q)`` is read from positions (a band), the bias lifted from its O(S) leaves."""
+    model, args = alibi.factory(4096, dim=32, n_layers=1, batch=1)
+    (ring,) = _rings(model, args, world=4)
+    assert ring.args[3] is True and "attn_mask" not in ring.kwargs, ring.kwargs
+    assert all(s[-2:].count(4096) <= 1 for s in _buffer_shapes(ring, "score_buffers"))
+
+
 def test_prefix_mask_becomes_a_mask_rule() -> None:
     model, args = prefix_lm.factory(S)
     rings = _rings(model, args, world=4)

@@ -333,6 +333,16 @@ def _and(node: fx.Node, ev) -> Band:
     return _intersect(a, b)
 
 
+def _not(node: fx.Node, ev) -> Union[Band, Flag]:
+    """``~m`` of a half-bounded band (``~(kv > q)`` is ``kv <= q``) or of a constant."""
+    x = ev(node.args[0])
+    if isinstance(x, Flag):
+        return Flag(not x.value)
+    if isinstance(x, Band) and (x.lo is None) != (x.hi is None):
+        return Band(hi=x.lo - 1) if x.lo is not None else Band(lo=x.hi + 1)
+    raise Unrecognised(node, "a negation that is not of a one-sided bound on key position minus query position")
+
+
 def _intersect(a: Band, b: Band) -> Band:
     lo = max((v for v in (a.lo, b.lo) if v is not None), default=None)
     hi = min((v for v in (a.hi, b.hi) if v is not None), default=None)
@@ -352,6 +362,8 @@ _HANDLERS = {
     ("method", "new_ones"): _ones, torch.ones: _ones,
     **{op: _compare for op in _OPS if not isinstance(op, str)},
     **{("method", m): _compare for m in ("le", "lt", "ge", "gt", "eq", "ne")},
+    operator.invert: _not, torch.logical_not: _not, torch.bitwise_not: _not, ("method", "__invert__"): _not,
+    ("method", "logical_not"): _not, ("method", "bitwise_not"): _not,
     operator.and_: _and, torch.logical_and: _and, ("method", "__and__"): _and, ("method", "logical_and"): _and,
 }
 _AND_TARGETS = {k[1] if isinstance(k, tuple) else k for k, h in _HANDLERS.items() if h is _and}  # fx targets
