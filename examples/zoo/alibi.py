@@ -108,7 +108,7 @@ def scores_factory(seq_len: int = SEQ_LEN, seed: int = 0):
 
 MEMBERS = [
     Member("alibi", "BLOOM-style ALiBi: slopes buffer · (k − q) from aranges, causal, as SDPA's attn_mask "
-           "-> a score rule of global positions", factory, worlds=(2, 4)),
+           "-> a score rule of global positions", factory, worlds=(4,)),
     Member("alibi_scores", "MPT-style ALiBi: slopes computed inline, bias added to hand-written scores "
            "-> a score rule", scores_factory),
 ]
