@@ -18,7 +18,7 @@ rows' document ids are equal):
   launched are exactly the (rank, block) pairs with a visible pair (steps wholly across
   documents are not launched);
 - ``cp_compile.ring_attention(kernel="triton", doc_ids=...)`` with autograd on 2 ranks: exact;
-  a mask_mod on the Triton kernels is refused naming the fix;
+  a mask_mod the Triton kernels cannot translate is refused naming the op and the fix;
 - refusals name the fix: a mask_mod the Triton kernels cannot translate, malformed document ids;
 - the document variant of every kernel passes the real GPU compiler (sm_90, ptxas).
 """
@@ -300,18 +300,25 @@ def _rank_api(lb: str) -> tuple:
     q, k, v, dout = (cp_compile.shard(t, 2, load_balance=lb).float().requires_grad_() for t in full_inputs(seed=99))
     out = cp_compile.ring_attention(q, k, v, causal=True, kernel="triton", load_balance=lb, doc_ids=batch_docs())
     out.backward(dout.detach())
+    same_doc = cp_compile.ring_attention(q.detach(), k.detach(), v.detach(), causal=True, kernel="triton",
+                                         load_balance=lb, mask_mod=_same_document, mask_buffers=[batch_docs()])
     try:
         cp_compile.ring_attention(q, k, v, causal=True, kernel="triton", load_balance=lb,
-                                  mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+                                  mask_mod=lambda b, h, q_idx, kv_idx: torch.erf(q_idx - kv_idx) > 0)  # no erf in Triton
         refusal = "no error"
     except ValueError as e:
         refusal = str(e)
-    return out.detach(), q.grad, k.grad, v.grad, refusal
+    return out.detach(), q.grad, k.grad, v.grad, refusal, (same_doc - out).abs().max().item()
+
+
+def _same_document(b, h, q_idx, kv_idx, doc):
+    return doc[b, q_idx] == doc[b, kv_idx]
 
 
 def test_ring_attention_api_with_doc_ids_on_triton(ranks):
-    """``cp_compile.ring_attention(kernel="triton", doc_ids=...)`` with autograd, 2 ranks: exact vs fp64;
-    a mask_mod on the Triton kernels is refused on every rank, naming the fix."""
+    """``cp_compile.ring_attention(kernel="triton", doc_ids=...)`` with autograd, 2 ranks: exact vs fp64, and
+    the same documents as a mask_mod reading the ids gives the same output;
+    a mask_mod the Triton kernels cannot translate is refused on every rank, naming the op and the fix."""
     per_rank = ranks.run(2, _rank_api, "zigzag", timeout=300)
     pos = torch.arange(S)
     want = dense_reference(*full_inputs(seed=99), visible(pos, pos, batch_docs(), batch_docs(), causal=True))
@@ -320,4 +327,5 @@ def test_ring_attention_api_with_doc_ids_on_triton(ranks):
         ref = want[0] if j == 0 else want[j + 1]
         assert relerr(got, ref) <= 1e-5, f"{name}: {relerr(got, ref):.3g}"
     for res in per_rank:
-        assert "mask_mod" in res[4] and "Fix: use kernel='aten' on CPU or kernel='reference'" in res[4], res[4]
+        assert res[5] <= 1e-6, res[5]
+        assert "aten.erf" in res[4] and "Fix: use kernel='aten' (CPU) or kernel='reference'" in res[4], res[4]

@@ -14,7 +14,7 @@ from ..kernels import get_kernel
 from ..sequence import check_seq_len, check_table
 from .agree import check_device
 from .masking import additive_mask
-from .mods import register_mods
+from .mods import Mods, register_mods
 
 Tensor = torch.Tensor
 
@@ -146,11 +146,16 @@ def _check_mods(mask_mod: Optional[Callable], score_mod: Optional[Callable], mas
     """(mods key, mask buffers, score buffers) for the ring op."""
     mb = _check_buffers("mask_buffers", mask_buffers, mask_mod, q)
     sb = _check_buffers("score_buffers", score_buffers, score_mod, q)
-    if (mask_mod is not None or score_mod is not None) and getattr(kern, "fuses_merge", False):
+    if mask_mod is None and score_mod is None:
+        return _register_mods(mask_mod, score_mod), mb, sb
+    if getattr(kern, "fuses_merge", False) and not getattr(kern, "supports_mods", False):
         _fail(f"kernel {kern.name!r} takes no mask_mod / score_mod (it masks by position and document id only). "
               "Fix: use kernel='aten' on CPU or kernel='reference', or pass packed documents as doc_ids=.")
-    if mask_mod is not None and not getattr(kern, "supports_masks", False):
+    if mask_mod is not None and not (getattr(kern, "supports_masks", False) or getattr(kern, "supports_mods", False)):
         _fail(f"kernel {kern.name!r} takes no masks, which mask_mod= needs. Fix: kernel='aten' or 'reference'.")
+    if hasattr(kern, "check_mods") and not torch.compiler.is_compiling():  # a mod the kernel cannot run fails now,
+        # before any collective (under torch.compile the ring op's own check does it at run time)
+        kern.check_mods(Mods(mask_mod, score_mod, tuple(mb), tuple(sb)), q.device)
     return _register_mods(mask_mod, score_mod), mb, sb
 
 
