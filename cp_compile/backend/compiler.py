@@ -92,7 +92,7 @@ class RingCP:
             self.records.append(ctx.record)
         else:
             _set_ring_timeout(new_gm, opts.timeout)
-            compiled = _hand_off(opts.inner, inner, new_gm, example_inputs)
+            compiled = _hand_off(opts.inner, inner, new_gm, example_inputs, same_on_every_rank=not ctx.shard_nodes)
             self.graphs.append(new_gm)
             self.fallbacks.extend(ctx.fallbacks)
             self.records.append(ctx.record)
@@ -188,17 +188,23 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     return new_gm
 
 
-def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> Callable:
+def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: List[torch.Tensor],
+              same_on_every_rank: bool = True) -> Callable:
     """Compile the rewritten graph so gradient all-reduces overlap the rest of the backward.
 
     Inductor: its own comm/compute reordering, passed as config_patches (the backward
     is compiled later, at the first .backward(), so a config context would have
     closed by then), with the patch that lets AOTAutograd's cache serve the graph
     (:mod:`cp_compile.backend.aot_cache`). aot_eager: the FX pass :func:`schedule_collectives`
-    on both graphs.
+    on both graphs. ``same_on_every_rank=False`` (the sequence arises in the graph, and each
+    rank takes its own rows of the pieces, :mod:`cp_compile.passes.row_select`): the ranks'
+    graphs differ in shapes (a cls token's gradient is all zeros on the ranks that take none
+    of it), so Inductor's reordering, which follows data dependencies and peak memory, could
+    order the collectives differently per rank; it is left off there.
     """
     if name == "inductor":
-        return inner(gm, example_inputs, config_patches={**inductor_overlap_config(), **aot_cache_config()})
+        overlap = inductor_overlap_config() if same_on_every_rank else {}
+        return inner(gm, example_inputs, config_patches={**overlap, **aot_cache_config()})
     if name == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
