@@ -143,22 +143,24 @@ def test_graph_breaks_at_nonzero_are_exact(ranks):
 
 
 class _RowSum(torch.nn.Module):
-    """Selects rows by data, then sums over them: no per-rank form."""
+    """Selects rows by data, then mixes them (``across``): no per-rank form."""
 
-    def __init__(self) -> None:
+    def __init__(self, across) -> None:
         super().__init__()
-        self.emb, self.qkv = torch.nn.Embedding(101, 16), torch.nn.Linear(16, 48)
+        self.emb, self.qkv, self.across = torch.nn.Embedding(101, 16), torch.nn.Linear(16, 48), across
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.emb(ids)).view(3, SEQ_LEN, 3, 2, 8).permute(2, 0, 3, 1, 4)
         h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(-1, 16)
         (picked,) = torch.where(h[:, 0] > 0)
-        return h[picked].cumsum(0).sum()
+        return self.across(h[picked]).sum()
 
 
-def test_a_scan_over_selected_rows_is_refused_naming_the_op_and_the_fix():
+@pytest.mark.parametrize("across,op", [(lambda r: r.cumsum(0), "cumsum"),
+                                       (lambda r: F.softmax(r, dim=0), "softmax")], ids=["cumsum", "softmax"])
+def test_an_op_across_selected_rows_is_refused_naming_the_op_and_the_fix(across, op):
     ids = torch.randint(0, 101, (3, SEQ_LEN))
     with pytest.raises(CPRewriteError) as err:
-        _explain(_RowSum(), (ids,))
+        _explain(_RowSum(across), (ids,))
     msg = str(err.value)
-    assert "cumsum" in msg and "test_zoo_moe.py" in msg and "Fix:" in msg
+    assert op in msg and "test_zoo_moe.py" in msg and "Fix:" in msg

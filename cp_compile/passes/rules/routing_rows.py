@@ -54,9 +54,26 @@ def rows_rule(em: Emitter, node: fx.Node):
             return _summary(em, node, "combines a per-rank summary of the selected rows")
         return refuse(em, node, "uses a per-rank summary of the selected rows (e.g. counts per expert) "
                                 "outside the selection")
-    if key in _ROWWISE or key in _VIEWS or key is operator.getitem:
+    if (key in _ROWWISE or key in _VIEWS or key is operator.getitem) and not _across_rows(em, node):
         return rowwise(em, node)
     return refuse(em, node, "is not known to act on each selected row alone")
+
+
+def _across_rows(em: Emitter, node: fx.Node) -> bool:
+    """A per-token op used across the rows: softmax over them, a matmul contracting them or with
+    the rows on the right, a layer norm over them."""
+    key, x = _key(node), node.args[0] if node.args else None
+    lay = em.layout(x) if isinstance(x, fx.Node) else None
+    nd = fake_value(x).dim() if isinstance(fake_value(x), torch.Tensor) else 0
+    if key in (F.softmax, F.log_softmax, ("method", "softmax")):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return not isinstance(lay, Local) or dim is None or dim % nd == lay.dim
+    if key in (torch.matmul, operator.matmul):
+        return not isinstance(lay, Local) or lay.dim >= nd - 1 or isinstance(em.layout(node.args[1]), Local)
+    if key is F.layer_norm:
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        return not isinstance(lay, Local) or lay.dim >= nd - len(shape)
+    return False
 
 
 def rowwise(em: Emitter, node: fx.Node):
