@@ -1,15 +1,21 @@
 """Benchmark 1: per-rank peak memory of forward + backward vs sequence length and CP size.
 
-    .venv/bin/python benchmarks/bench_memory.py                       # defaults (~5.5 min on 2 cores)
+    .venv/bin/python benchmarks/bench_memory.py                       # defaults (~12 min on 2 cores)
     .venv/bin/python benchmarks/bench_memory.py --seq-lens 4k,8k,16k,32k   # + S=32k (~9 min)
     .venv/bin/python benchmarks/bench_memory.py --seq-lens 4k,8k,16k,32k,64k --worlds 1,2,4,8 \\
         --llama-seq-lens 4k,16k,32k --cap-mib 4096                  # larger setting
 
-Two models, both the unmodified example code in ``examples/models.py``:
+Three models, the unmodified example code in ``examples/models.py`` and ``examples/zoo/alibi.py``:
 * ``block``: one transformer block (a 1-layer Llama: embedding, RMSNorm, GQA attention
   with RoPE, SwiGLU, LM head over a 256-byte vocabulary, cross-entropy);
 * ``llama``: the example Llama of ``examples/train_demo.py`` (dim 256, 2 layers, 4/2
-  heads, SwiGLU 512, vocab 1024).
+  heads, SwiGLU 512, vocab 1024);
+* ``alibi``: one BLOOM-style ALiBi block (dim 256, 4 heads, GELU MLP 1024, vocab 256) whose
+  causal bias ``slope_h · (k − q)`` is built in the graph from aranges and passed to SDPA as
+  ``attn_mask``; the rewrite makes it a score rule of the ring op. N = 1 and 4 only. Its N = 1
+  reference is the model with that attention computed without an S x S bias (as FlashAttention's
+  ``alibi_slopes`` does on a GPU): ``cp_compile.ring_attention`` on one process with the bias as
+  a ``score_mod`` (the graph-built (1, H, S, S) bias alone would be 1 GiB at S = 8k).
 
 For every (model, S, N) the script starts N fresh processes (one torch thread each,
 gloo on 127.0.0.1). N = 1 runs ``torch.compile(model, backend=INNER)`` (same compiler,
@@ -44,7 +50,35 @@ INNER = "aot_eager"
 MODELS = {
     "block": dict(vocab_size=256, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=512),
     "llama": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
+    "alibi": dict(vocab=256, dim=256, n_layers=1, n_heads=4, batch=1),  # examples/zoo/alibi.py, causal, SDPA
 }
+
+
+def _alibi_one_device(attn, q, k, v):
+    """The ALiBi attention as one device runs it without an S x S bias (FlashAttention's alibi_slopes):
+    cp_compile.ring_attention on one process with the bias as a score_mod, scores in row tiles."""
+    import cp_compile
+
+    return cp_compile.ring_attention(q, k, v, causal=True, score_mod=_alibi_score, score_buffers=[attn.slopes])
+
+
+def _alibi_score(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+def _model(model_name: str, seq_len: int, world: int):
+    """(model, (input_ids, labels)) of one benchmark model; ``alibi`` at N = 1 without the S x S bias."""
+    import functools
+
+    import models
+    from zoo import alibi
+
+    if model_name != "alibi":
+        return models.llama_factory(seq_len=seq_len, batch=1, seed=0, max_seq_len=seq_len, **MODELS[model_name])
+    model, args = alibi.factory(seq_len, 0, **MODELS["alibi"])
+    for block in model.h if world == 1 else ():
+        block.self_attention.attend = functools.partial(_alibi_one_device, block.self_attention)
+    return model, args
 
 
 def rank_step(rank: int, world: int, model_name: str, seq_len: int, inner: str) -> Dict[str, Any]:
@@ -52,10 +86,8 @@ def rank_step(rank: int, world: int, model_name: str, seq_len: int, inner: str) 
     import torch
 
     import cp_compile
-    import models
 
-    model, (input_ids, labels) = models.llama_factory(seq_len=seq_len, batch=1, seed=0, max_seq_len=seq_len,
-                                                      **MODELS[model_name])
+    model, (input_ids, labels) = _model(model_name, seq_len, world)
     backend = inner if world == 1 else cp_compile.RingCP(inner=inner)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     return common.measure_train_step(model, compiled, (input_ids, labels), world)  # input_ids, labels: (1, S)
@@ -65,6 +97,7 @@ def measure_all(args) -> List[Dict[str, Any]]:
     """Every (model, S, N) configuration, each in fresh processes."""
     configs = [("block", s, n) for s in args.seq_lens for n in args.worlds]
     configs += [("llama", s, n) for s in args.llama_seq_lens for n in args.worlds]
+    configs += [("alibi", s, n) for s in args.alibi_seq_lens for n in args.worlds if n in (1, 4)]
     rows = []
     for i, (model_name, s, n) in enumerate(configs, 1):
         common.log(f"[{i}/{len(configs)}] {model_name} S={s} N={n}")
@@ -120,6 +153,8 @@ def main(argv=None) -> None:
                    help="block model sequence lengths (default 4k,8k,16k; add 32k for the issue's full range)")
     p.add_argument("--llama-seq-lens", type=common.int_list, default=common.int_list("16k"),
                    help="example-Llama sequence lengths (default 16k)")
+    p.add_argument("--alibi-seq-lens", type=common.int_list, default=common.int_list("8k"),
+                   help="ALiBi block (examples/zoo/alibi.py) sequence lengths, N = 1 and 4 (default 8k)")
     p.add_argument("--worlds", type=common.int_list, default=[1, 2, 4], help="CP sizes (default 1,2,4)")
     p.add_argument("--inner", default=INNER, choices=("aot_eager", "inductor"), help="inner compiler")
     p.add_argument("--cap-mib", type=float, default=2048.0, help="per-process RSS cap for the longest-S estimate")
