@@ -5,6 +5,8 @@
   :mod:`.buffers` evaluates terms read from constant buffers (nanoGPT's ``tril`` buffer);
 * :mod:`.docs` — document terms ``X[b, q] == X[b, kv]`` (packed batches) -> the ring op's
   ``doc_ids`` (the whole X, no mask tensor);
+* :mod:`.lift` — terms that are elementwise functions of positions (ALiBi biases, prefix-LM masks)
+  -> the ring op's ``mask_mod`` / ``score_mod`` with O(S) leaves;
 * :mod:`.rows` — this rank's query rows of the explicit terms, for the ring op's ``attn_mask``.
 """
 

@@ -173,13 +173,20 @@ def _gradient_free_state(node: fx.Node) -> bool:
         if isinstance(val, torch.Tensor) and val.requires_grad:
             return False
         if n.op == "placeholder":
-            example = getattr(n.meta.get("grapharg"), "example", None) if n.meta.get("grapharg") else None
-            if isinstance(val, torch.Tensor) and not is_parameter_like(n, example):
+            if isinstance(val, torch.Tensor) and not is_parameter_like(n, _example(n)):
                 return False
         elif n.op not in ("get_attr", "call_function", "call_method"):
             return False
         todo.extend(n.all_input_nodes)
     return True
+
+
+def _example(node: fx.Node) -> Any:
+    """The tensor Dynamo traced a placeholder with (None when unknown or expired)."""
+    try:
+        return node.meta["grapharg"].example if node.meta.get("grapharg") is not None else None
+    except AssertionError:  # its weak reference expired
+        return None
 
 
 def lift_term(term: fx.Node, seq_len: int) -> Optional[Rule]:
