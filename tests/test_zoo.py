@@ -11,14 +11,19 @@ all members at 2 and 4 ranks), measured on every rank by :func:`zoo.measure.meas
   really mix tokens outside attention), none where nothing does;
 * the sharded fraction of activation bytes at least ``Member.min_sharded`` (0.9);
 * ``cp-compile explain`` prints the record the runtime keeps (field by field where Dynamo
-  splits the model into several graphs).
+  splits the model into several graphs); and given the member's file as a TARGET
+  (``cp-compile explain examples/zoo/FILE.py:factory``), it prints that record's summary.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 import pytest
 
 from checks import pieces_mismatches
+from cp_compile.tools.explain import inspect
 from zoo import members
 from zoo.measure import measure
 
@@ -57,3 +62,26 @@ def test_zoo_member_is_exact_ring_only_and_sharded(ranks, name, world):
     per_rank = ranks.run(world, measure, name, timeout=300)
     failures = {rank: p for rank, r in enumerate(per_rank) if (p := _problems(ZOO[name], r))}
     assert not failures, f"{name} on {world} ranks: {failures}"
+
+
+def _target(member) -> str:
+    """``examples/zoo/FILE.py:factory`` of a member, as a user types it to ``cp-compile explain``."""
+    module = sys.modules[member.factory.__module__]
+    return f"{module.__file__}:{member.factory.__name__}"
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_cli_explain_on_the_member_file_prints_the_record(name, capsys):
+    """The member's file given as a TARGET imports as a module of the zoo package (its relative
+    imports work) and explain prints the record of the traced rewrite, the one the runtime keeps."""
+    from cp_compile.tools.graph_commands import add_explain_parser, cmd_explain
+    from cp_compile.tools.targets import load_target
+
+    parser = argparse.ArgumentParser(prog="cp-compile")
+    add_explain_parser(parser.add_subparsers(dest="command", required=True))
+    assert cmd_explain(parser.parse_args(["explain", _target(ZOO[name])])) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("record: ")]
+    model, args, kwargs = load_target(_target(ZOO[name]))
+    want = inspect(model, args, world_size=2, example_kwargs=kwargs).ctx.record
+    assert printed == [f"record: {want.summary()}"], printed
+    assert want.rings == len(want.attention) > 0 and not want.fallbacks, want.summary()
