@@ -60,8 +60,7 @@ def check_memory(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
         what, ref_name = names[x["model"]]
         excess = x["peak_above_mib"] - one[(x["model"], x["seq_len"])]["peak_above_mib"] / 4
         why = "" if x["ratio_above"] <= 0.30 else (f"per-rank peak above 1/4 of N=1 by {excess:.0f} MiB, a part that "
-                                                   "does not shrink with N (consistent with, not measured as, the ring's "
-                                                   "K/V blocks in flight: 4 K/V heads, no GQA)")
+                                                   "does not shrink with N (not yet attributed)")
         out.append((f"1. memory ({what})", f"N=4 per-rank peak ≤ 0.30× {ref_name}", f"S={x['seq_len']}: "
                     f"{_f(x['ratio_above'])}×", x["ratio_above"] <= 0.30, why))
     return out
