@@ -48,10 +48,11 @@ def test_fully_sharded_model_records_a_high_fraction() -> None:
 
 
 def test_a_fallback_shaped_like_its_input_is_sharded_again() -> None:
-    """The cumsum runs on the gathered sequence; the MLP after it holds 1/N of the tokens."""
+    """The cumsum runs on the gathered sequence; the MLP after it holds 1/N of the tokens (views hold no
+    bytes, so in this tiny model the one gathered (B, S, D) value is a third of what is held)."""
     report = inspect(_MixesEarly("cumsum"), (torch.randint(0, 32, (2, 16)),), world_size=2)
     rec = report.ctx.record
-    assert rec.rings == 1 and len(rec.fallbacks) == 1 and rec.sharded_fraction > 0.8, rec
+    assert rec.rings == 1 and len(rec.fallbacks) == 1 and rec.sharded_fraction > 0.6, rec
 
 
 def test_a_mostly_whole_graph_warns_and_explain_says_so(caplog) -> None:

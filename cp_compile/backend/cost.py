@@ -117,22 +117,28 @@ def stored_bytes(val: Any) -> int:
 def activation_bytes(gm: fx.GraphModule, key: str, seq_scale: Optional[Tuple[Any, int]] = None) -> int:
     """Bytes of every intermediate tensor (not inputs, parameters, buffers or parameter aliases).
 
+    A view (a result sharing the storage of an input or of an earlier result: an image's patches
+    viewed, a transpose, an in-place update) holds no bytes of its own. Counted this way the sum
+    over the pieces of a split graph (graph breaks, DDPOptimizer) is the one graph's figure.
     ``seq_scale = (L, k)``: count every tensor as if the symbolic length ``L`` were k times its
     value (under ``inputs="local"`` the traced graph has this rank's length: k = N gives the
     one-device figure)."""
     size = nbytes if seq_scale is None else (lambda v: _scaled_nbytes(v, *seq_scale))
-    inputs = _input_storages(gm, key)
+    held = _input_storages(gm, key)  # grows with every result counted
     total = 0
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output") or node_kind(n) in ("grad_all_reduce",
                                                                                "grad_all_reduce_bucket"):
             continue
-        if _storage(n.meta.get(key)) in inputs:
-            continue  # a view of an input, parameter or buffer (an image's patches viewed) holds no bytes
+        storage = _storage(n.meta.get(key))
+        if storage is not None and storage in held:
+            continue  # a view of something already counted (or of an input)
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
                 and node_kind(n.args[0]) == "grad_all_reduce_bucket":
             continue
         total += size(n.meta.get(key))
+        if storage is not None:
+            held.add(storage)
     return total
 
 

@@ -91,7 +91,7 @@ def format_explain(r: Report, target: str = "") -> str:
     lines.append(f"activation memory, per rank vs single device: {human(r.act_bytes_local)} vs "
                  f"{human(r.act_bytes_global)} ({ratio:.2f}x)")
     lines.append("  crude upper bound: the sum of every intermediate tensor of the graph as if all were live at "
-                 "once (views counted as copies, no reuse, backward buffers not included)")
+                 "once (views hold no bytes, no reuse, backward buffers not included)")
     if ctx.record is not None:  # the record RingCP.records holds for this graph at runtime (cp_compile.backend.record)
         lines.append(f"record: {ctx.record.summary()}")
     return "\n".join(lines)
