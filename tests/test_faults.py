@@ -293,13 +293,15 @@ def test_default_limit_is_the_process_group_timeout():
 
 
 def test_backend_timeout_reaches_the_ring():
-    """RingCP(timeout=2): rank 1 raises inside the compiled model's first attention; rank 0
+    """RingCP(timeout=10): rank 1 raises inside the compiled model's first attention; rank 0
     goes on to the second attention, whose argument check (an all-gather every ring call
     runs, see cp_compile/ring/agree.py) gets no answer: rank 0 gives up when the backend's
-    2 s run out (not the process group's 60 s)."""
-    answers = run_isolated(2, _compiled_with_fault, 2.0, 60.0)
+    10 s run out (not the process group's 60 s). Each rank compiles on its first call, after
+    the barrier, so the limit leaves room for one rank compiling seconds later than the other
+    on a busy machine (with 2 s, rank 1 could give up at the first argument check)."""
+    answers = run_isolated(2, _compiled_with_fault, 10.0, 60.0)
     assert "stand-in kernel failure on rank 1" in answers[1][1], answers[1]
     typ, msg = answers[0]
     assert typ == "RingCommError" and "(forward argument check)" in msg, (typ, msg)
-    assert "rank 0 of the CP group gave up" in msg and "no answer within 2 s. " in msg, msg
+    assert "rank 0 of the CP group gave up" in msg and "no answer within 10 s. " in msg, msg
     assert FIX in msg and "timeout=SECONDS" in msg, msg
