@@ -90,11 +90,13 @@ class ScoresKernel:
         tiles = _tiles(q, k, score)
         if len(tiles) == 1:
             return self._forward(q, k, v, causal, scale, score, mask, 0)
-        parts = []
+        ct = _ct(q.dtype)  # each tile written in place: no list of tiles plus their concatenation (2x out)
+        out, lse = q.new_empty(q.shape[:3] + v.shape[3:], dtype=ct), q.new_empty(q.shape[:3], dtype=ct)
         for r in tiles:
             kc, fn, m = _tile_args(r, k.shape[2], causal, score, mask)
-            parts.append(self._forward(q[:, :, r], k[:, :, :kc], v[:, :, :kc], causal, scale, fn, m, r.start))
-        return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+            out[:, :, r], lse[:, :, r] = self._forward(q[:, :, r], k[:, :, :kc], v[:, :, :kc], causal, scale, fn, m,
+                                                       r.start)
+        return out, lse
 
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, score: ScoreFn,
                  mask: Optional[Tensor], row0: int) -> Tuple[Tensor, Tensor]:
@@ -110,22 +112,22 @@ class ScoresKernel:
                  causal: bool, scale: float, score: ScoreFn,
                  mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) of this block given the global ``out`` and ``lse`` (B, H, Lq), in row tiles:
-        dq per tile, dk and dv summed over the tiles."""
+        dq written per tile, dk and dv accumulated in place over the tiles (no per-tile
+        (B, H_kv, Lk, D) partials: they were the largest transients of the kernel)."""
+        ct = _ct(q.dtype)
+        dq = q.new_empty(q.shape, dtype=ct)  # (B, H, Lq, D)
+        dk, dv = k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct)  # (B, H_kv, Lk, D)
         tiles = _tiles(q, k, score)
-        if len(tiles) == 1:
-            return self._backward(dout, q, k, v, out, lse, causal, scale, score, mask, 0)
-        dq, dk, dv = [], k.new_zeros(k.shape, dtype=_ct(q.dtype)), v.new_zeros(v.shape, dtype=_ct(q.dtype))
         for r in tiles:
-            kc, fn, m = _tile_args(r, k.shape[2], causal, score, mask)
-            t = self._backward(dout[:, :, r], q[:, :, r], k[:, :, :kc], v[:, :, :kc], out[:, :, r], lse[:, :, r],
-                               causal, scale, fn, m, r.start)
-            dq.append(t[0])
-            dk[:, :, :kc] += t[1]
-            dv[:, :, :kc] += t[2]
-        return torch.cat(dq, dim=2), dk, dv
+            kc, fn, m = _tile_args(r, k.shape[2], causal, score, mask) if len(tiles) > 1 else (k.shape[2], score, mask)
+            dq[:, :, r] = self._backward(dout[:, :, r], q[:, :, r], k[:, :, :kc], v[:, :, :kc], out[:, :, r],
+                                         lse[:, :, r], causal, scale, fn, m, r.start, dk[:, :, :kc], dv[:, :, :kc])
+        return dq, dk, dv
 
     def _backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                  scale: float, score: ScoreFn, mask: Optional[Tensor], row0: int) -> Tuple[Tensor, Tensor, Tensor]:
+                  scale: float, score: ScoreFn, mask: Optional[Tensor], row0: int, dk: Tensor, dv: Tensor) -> Tensor:
+        """dq of one row tile; adds the tile's share of dK and dV into ``dk`` and ``dv`` (views of the
+        block's accumulators, (B, H_kv, Lk, D) in the compute dtype)."""
         h_kv = k.shape[1]
         raw = _raw_scores(q, k, scale)
         ct = raw.dtype
@@ -134,14 +136,24 @@ class ScoresKernel:
         lse = lse.to(ct)
         p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))  # global probabilities
         do, o = dout.to(ct), out.to(ct)
-        dv = torch.einsum("bngqk,bngqd->bnkd", _grouped(p, h_kv), _grouped(do, h_kv))
+        _add_grouped_t(dv, p, do)  # dv += pᵀ dO
         dp = torch.einsum("bngqd,bnkd->bngqk", _grouped(do, h_kv), v.to(ct)).reshape(p.shape)
         ds = p * (dp - (do * o).sum(-1, keepdim=True))  # d loss / d (modified score)
         (ds_raw,) = vjp(ds)
         ds_raw = ds_raw.masked_fill(torch.isneginf(s), 0.0) * scale  # masked pairs carry nothing, even where score' is inf
-        dq = torch.einsum("bngqk,bnkd->bngqd", _grouped(ds_raw, h_kv), k.to(ct)).reshape(q.shape)
-        dk = torch.einsum("bngqk,bngqd->bnkd", _grouped(ds_raw, h_kv), _grouped(q.to(ct), h_kv))
-        return dq, dk, dv
+        _add_grouped_t(dk, ds_raw, q.to(ct))  # dk += ds_rawᵀ q
+        return torch.einsum("bngqk,bnkd->bngqd", _grouped(ds_raw, h_kv), k.to(ct)).reshape(q.shape)
+
+
+def _add_grouped_t(acc: Tensor, a: Tensor, x: Tensor) -> None:
+    """acc[b, n] += Σ_g a[b, (n, g)]ᵀ x[b, (n, g)] in place: acc (B, H_kv, Lk, D) (a view with unit
+    last stride), a (B, H, Lq, Lk), x (B, H, Lq, D); the query heads of a K/V head are summed
+    by one batched matmul over (g, q) rows, with no (B, H_kv, Lk, D) temporary."""
+    b, h_kv, lk, d = acc.shape
+    rows = a.shape[1] // h_kv * a.shape[2]  # G·Lq
+    a3 = a.reshape(b * h_kv, rows, lk)  # (B·H_kv, G·Lq, Lk)
+    x3 = x.reshape(b * h_kv, rows, d)  # (B·H_kv, G·Lq, D)
+    acc.view(b * h_kv, lk, d).baddbmm_(a3.transpose(1, 2), x3)
 
 
 SCORES = ScoresKernel()
