@@ -164,3 +164,71 @@ def test_an_op_across_selected_rows_is_refused_naming_the_op_and_the_fix(across,
         _explain(_RowSum(across), (ids,))
     msg = str(err.value)
     assert op in msg and "test_zoo_moe.py" in msg and "Fix:" in msg
+
+
+class _DeepSeekMoE(torch.nn.Module):
+    """DeepSeek-V3-style routing (``idx, top = torch.where(indices == i)``; ``y[idx] += expert(x[idx]) *
+    weights[idx, top, None]``) after one causal attention, with the write back written ``write`` ways."""
+
+    def __init__(self, write: str, dim: int = 16, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.write, self.k = write, k
+        self.emb, self.qkv, self.head = torch.nn.Embedding(101, dim), torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, 101)
+        self.gate = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
+
+    def moe(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # (B·S, D)
+        weights, indices = torch.topk(self.gate(x).softmax(dim=-1), self.k, dim=-1)  # (B·S, k)
+        y = torch.zeros(x.shape[0], x.shape[1]) if self.write == "index_add_whole" else torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            idx, top = torch.where(indices == i)
+            rows = expert(x[idx]) * weights[idx, top, None]  # (n_i, D)
+            if self.write == "setitem_add":
+                y[idx] += rows
+            elif self.write == "index_put":
+                y.index_put_((idx,), rows, accumulate=True)
+            elif self.write == "index_add_whole":  # y built whole (not from x): its rows here are written
+                y.index_add_(0, idx, rows)
+            else:
+                y.scatter_add_(0, idx[:, None].expand(-1, shape[-1]), rows)
+        return y.view(shape)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        return F.cross_entropy(self.head(h + self.moe(h)).flatten(0, 1), labels.flatten())
+
+
+WRITES = ("setitem_add", "index_put", "scatter_add", "index_add_whole")
+
+
+def _writes_on_rank(writes) -> list:
+    out = []
+    for write in writes:
+        torch.manual_seed(0)
+        ref, ids = _DeepSeekMoE(write), torch.randint(0, 101, (BATCH, SEQ_LEN))
+        cp, labels = copy.deepcopy(ref), torch.roll(ids, -1, 1)
+        want = ref(ids, labels)
+        want.backward()
+        torch._dynamo.reset()
+        backend = cp_compile.RingCP(inner="aot_eager")
+        got = torch.compile(cp, backend=backend, fullgraph=True)(ids, labels)
+        got.backward()
+        rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
+        out.append({"write": write, "loss": rel(got.detach(), want.detach()),
+                    "grad": max(rel(p.grad, q.grad) for p, q in zip(cp.parameters(), ref.parameters())),
+                    "fallbacks": [f for r in backend.records for f in r.fallbacks]})
+    return out
+
+
+def test_rows_written_back_by_setitem_index_put_or_scatter_add_stay_on_this_rank(ranks):
+    """``y[idx] += rows``, ``index_put_(accumulate=True)`` and ``scatter_add_`` with the indices expanded
+    over the features write this rank's rows like ``index_add_``; into a ``y`` built whole (``torch.zeros``
+    of the global size), later readers of ``y`` read the rows written here. Exact against one
+    process, no gather."""
+    for per_rank in ranks.run(2, _writes_on_rank, WRITES, timeout=300):
+        for r in per_rank:
+            assert r["loss"] <= 1e-6 and r["grad"] <= 1e-5 and r["fallbacks"] == [], r

@@ -13,6 +13,8 @@ tokens. The rules, on rows of this rank (c = S/N tokens, T = B·S flattened, k s
     Local rows ─ linear / silu / * / chunk / views keeping the rows / casts ─> Local   (routing_rows.py)
     histc(ids_g) -> cumsum -> offsets: Local summary; grouped_mm(rows, W, offs=offsets) ─> Local rows
     out (T/N, D) Sharded(0) .index_add_(0, top_x, rows) ─> Sharded(0)
+        also out[top_x] += rows, out.index_put_((top_x,), rows, accumulate), out.scatter_add_(0,
+        top_x[:, None].expand(-1, D), rows); an out built whole is written in its rows here
     inv = empty_like(perm); inv[perm] = arange(n) ─> inv Sharded(0, inner k), row numbers of the sort
     rows[inv] ─> Sharded(0, inner k): each token's row back in token order
     (W[ids] with ids Sharded, a row of W per token as in HF's batched_mm experts: getitem's table lookup)
@@ -49,6 +51,10 @@ _SELECT = {torch.nonzero, torch.argwhere, ("method", "nonzero"), ("method", "arg
 _SORT = {torch.sort, ("method", "sort"), torch.argsort, ("method", "argsort")}
 _INDEX_ADD = {("method", "index_add_"), ("method", "index_add"), torch.index_add,
               ("method", "index_copy_"), ("method", "index_copy"), torch.index_copy}
+_INDEX_PUT = {("method", "index_put_"), ("method", "index_put"), torch.index_put, torch.index_put_}
+_SCATTER = {("method", "scatter_add_"), ("method", "scatter_add"), torch.scatter_add,
+            ("method", "scatter_"), ("method", "scatter"), torch.scatter,
+            ("method", "scatter_reduce_"), ("method", "scatter_reduce"), torch.scatter_reduce}
 
 
 def is_selection(node: fx.Node) -> bool:
@@ -100,8 +106,12 @@ def local_rule(em: Emitter, node: fx.Node):
         return _index(em, node)
     if key in _INDEX_ADD:
         return _index_add(em, node)
+    if key in _INDEX_PUT:
+        return _index_put(em, node)
+    if key in _SCATTER:
+        return _scatter(em, node)
     if key is operator.setitem:
-        return _invert(em, node)
+        return _invert(em, node) if isinstance(em.layout(node.args[0]), Local) else _set_rows(em, node)
     return rows_rule(em, node)
 
 
@@ -163,21 +173,63 @@ def _token_source(em: Emitter, x: fx.Node, dim: int, token: Tuple[int, int]) -> 
                   f"rank's rows of a token dim of {token[0]} rows (inner {token[1]}), laid out differently")
 
 
+def _args(node: fx.Node, names: Tuple[str, ...]) -> list:
+    """The arguments after the first, positional then by keyword in ``names`` order."""
+    return list(node.args[1:]) + [node.kwargs[k] for k in names[len(node.args) - 1:] if k in node.kwargs]
+
+
 def _index_add(em: Emitter, node: fx.Node):
     """``out.index_add_(d, top_x, rows)``: rows added back into this rank's rows of a Sharded ``out``."""
-    names = ("dim", "index", "source")
-    args = list(node.args[1:]) + [node.kwargs[k] for k in names[len(node.args) - 1:] if k in node.kwargs]
-    out, (dim, idx, src) = node.args[0], args[:3]
-    ilay, slay = em.layout(idx), em.layout(src)
+    dim, idx, src = _args(node, ("dim", "index", "source"))[:3]
+    return _write_back(em, node, dim % len(global_shape(node.args[0])), idx, src, 0)
+
+
+def _index_put(em: Emitter, node: fx.Node):
+    """``out.index_put_((top_x,), rows, accumulate)``: index_add_ / index_copy_ along dim 0."""
+    indices, values = _args(node, ("indices", "values"))[:2]
+    if not (isinstance(indices, (tuple, list)) and len(indices) == 1):
+        return refuse(em, node, "writes by more than one index tensor")
+    return _write_back(em, node, 0, indices[0], values, 0)
+
+
+def _set_rows(em: Emitter, node: fx.Node):
+    """``out[top_x] = rows`` (also ``out[top_x] += rows``: a getitem, an add, this setitem)."""
+    _, index, values = node.args
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) != 1 or not isinstance(index[0], fx.Node):
+        return refuse(em, node, "writes by an index other than one tensor of token indices")
+    return _write_back(em, node, 0, index[0], values, 0)
+
+
+def _scatter(em: Emitter, node: fx.Node):
+    """``out.scatter_add_(0, top_x[:, None].expand(-1, D), rows)`` (and scatter_, scatter_reduce_):
+    each index value a token index of this rank, on the same rows as ``src``."""
+    dim, idx, src = _args(node, ("dim", "index", "src"))[:3]
+    dim = dim % len(global_shape(node.args[0]))
+    return _write_back(em, node, dim, idx, src, dim)
+
+
+def _write_back(em: Emitter, node: fx.Node, dim: int, idx: Any, src: Any, idx_dim: int):
+    """A write of selected rows ``src`` into ``out`` (node.args[0]) at the token indices ``idx`` along
+    ``dim``: this rank's rows of a Sharded ``out``, no communication. ``idx_dim``: where idx's rows are."""
+    out, ilay, slay = node.args[0], em.layout(idx), em.layout(src)
     if not (isinstance(ilay, Local) and ilay.token is not None and isinstance(slay, Local)):
-        return refuse(em, node, "adds rows by indices that are not token indices of a selection")
-    dim = dim % len(global_shape(out))
-    if ilay.rows != slay.rows or ilay.dim != 0 or slay.dim != dim:
-        return refuse(em, node, "adds rows of another selection than its indices")
+        return refuse(em, node, "writes rows by indices that are not token indices of a selection")
+    if ilay.rows != slay.rows or ilay.dim != idx_dim or slay.dim != dim:
+        return refuse(em, node, "writes rows of another selection than its indices")
     out_new, why = _token_source(em, out, dim, ilay.token)
     if why:
         return refuse(em, node, why)
-    return em.copy(node, (out_new, *em.value(node.args[1:])), em.value(node.kwargs)), Sharded(dim, ilay.token[1])
+    new = em.copy(node, (out_new, *em.value(node.args[1:])), em.value(node.kwargs))
+    lay = Sharded(dim, ilay.token[1])
+    if _in_place(node) and not isinstance(em.layout(out), Sharded):  # a whole out: the write went to its rows here
+        em.env[out], em.layouts[out] = out_new, lay  # later readers of out read the written rows
+    return new, (None if node.target is operator.setitem else lay)
+
+
+def _in_place(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.target is operator.setitem or (isinstance(name, str) and name.endswith("_"))
 
 
 # ------------------------------------------------------------------------- the inverse permutation

@@ -30,10 +30,13 @@ _ROWWISE = POINTWISE_FUNCS | {("method", m) for m in POINTWISE_METHODS} | {
     F.linear, torch._C._nn.linear, F.layer_norm, F.softmax, F.log_softmax, torch.matmul, operator.matmul,
     torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, ("method", "softmax"),
     ("method", "type"), ("method", "long"), ("method", "int"), ("method", "bool"), ("method", "chunk"),
-    ("method", "split"), torch.chunk, torch.split, ("method", "unbind"), torch.unbind}
-_VIEWS = {("method", m) for m in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous")} | {
-    torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze}
-_KEEP_TOKEN = _VIEWS | {("method", m) for m in ("to", "clone", "detach", "long", "int", "type")}
+    ("method", "split"), torch.chunk, torch.split, ("method", "unbind"), torch.unbind,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    *[("method", m + "_") for m in ("add", "sub", "mul", "div")]}
+_VIEWS = {("method", m) for m in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "expand",
+                                  "expand_as")} | {torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze}
+_KEEP_TOKEN = _VIEWS | {("method", m) for m in ("to", "clone", "detach", "long", "int", "type")} | {
+    operator.getitem}  # basic indexing (the tensor-index forms are routing._index) keeps a subset of the values
 _SIZES = {torch.ops.aten.sym_size.int, ("method", "size"), torch.ops.aten._assert_scalar.default}
 _SUMMARY_OPS = {torch.cumsum, ("method", "cumsum")} | POINTWISE_FUNCS | {("method", m) for m in POINTWISE_METHODS}
 _GROUPED_MM = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")  # torch._grouped_mm, F.grouped_mm, HF's fallback op

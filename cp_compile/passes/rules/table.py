@@ -14,7 +14,7 @@ themselves live in the modules named in the first column).
 | getitem (getitem.py) | ``...`` expanded; a slice covering all of d (``[:, 0:]``); one position ``x[:, i]`` (cls / last-token pooling) | Sharded(d moved); one position: picked on its rank, all-reduce -> Global |
 | size (reductions.py) | ``x.size()`` / ``x.size(d)`` (dynamic shapes) | Global: the global sizes, S along d |
 | reductions (reductions.py) | sum/mean over d; histc (padding rows moved out of its range) | all-reduce -> Global (mean: / global count) |
-| selections (routing.py, routing_rows.py) | torch.where(mask) / nonzero of a Sharded mask, sort of 1-D Sharded expert ids; x[top_x], index_select, index_add_ by those indices; per-row ops, histc / grouped_mm on the selected rows; the inverse permutation | Local (this rank's tokens, selected by data); index_add_ / rows[inv] back -> Sharded |
+| selections (routing.py, routing_rows.py) | torch.where(mask) / nonzero of a Sharded mask, sort of 1-D Sharded expert ids; x[top_x], index_select, index_add_ / x[top_x] += / index_put_ / scatter_add_ by those indices; per-row ops, histc / grouped_mm on the selected rows; the inverse permutation | Local (this rank's tokens, selected by data); index_add_ / rows[inv] back -> Sharded |
 | attention (attention.py) | scaled_dot_product_attention on Sharded or whole q/k/v (whole: indexed by position) | ring_attention -> Sharded |
 | flex attention (flex.py) | torch.ops.higher_order.flex_attention: mask_mod / score_mod at global positions, their buffers whole | ring_attention(mods=...) -> (Sharded, Sharded, -) |
 | losses (attention.py) | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
