@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
-from .context import CPRewriteError, RewriteContext, global_shape
+from .context import CPRewriteError, RewriteContext, global_shape, source_line
 from .layouts import GLOBAL, Layout, Local, Sharded
 from .seqindex import SeqIndex
 
@@ -129,11 +129,33 @@ class Emitter:
             (node.args, node.kwargs), lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a
         )
         new = self.copy(node, args, kwargs)
+        if mutates(node) and node.args and node.args[0] in gathered:
+            return self._written_whole(node, new, gathered[node.args[0]])
         dims = {self.layout(a).dim for a in sharded if global_shape(a) == global_shape(node)}
         if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded):
             self.env[node] = new  # to_sharded reads the whole value from env
             (dim,) = dims
             return self.to_sharded(node, dim), Sharded(dim)
+        return new, GLOBAL
+
+
+    def _written_whole(self, node: fx.Node, new: fx.Node, whole: fx.Node) -> Any:
+        """An in-place op run on the gathered copy of a Sharded destination (``mask.scatter_(1, idx, 1)``):
+        from here on the destination is this rank's rows of that written copy, so later readers see the
+        write. A destination that is a view of another value cannot be rebound (its base would miss
+        the write): refused, naming the op."""
+        dest = node.args[0]
+        val = dest.meta.get("example_value")
+        if isinstance(val, torch.Tensor) and val._base is not None:
+            raise CPRewriteError(
+                f"cp_compile: {node.target} at {source_line(node)} writes in place into a view of a sequence-"
+                "sharded value and has no per-token rule, so it would run on a gathered copy and the write "
+                "would not reach the value it views. Fix: write into a whole tensor (e.g. build it with "
+                "torch.cat) or report this model pattern.")
+        lay = self.layout(dest)
+        self.env[dest] = whole  # to_sharded reads the whole value from env
+        self._memo.pop((dest, lay.dim, lay.inner), None)
+        self.env[dest] = self.to_sharded(dest, lay.dim, lay.inner)
         return new, GLOBAL
 
 

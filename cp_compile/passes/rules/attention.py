@@ -97,10 +97,24 @@ def sdpa(em, node: fx.Node):
     ctx = em.ctx
     if em.index.table is not None:  # load_balance="documents": this call's layout (passes/doc_table.py)
         masks["positions"] = em.index.table
-    out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
-                  _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), causal, float(scale),
+    qkv, dv = _equal_head_dims(em, *(_as_seq_sharded(em, x, node) for x in (q, k, v)), global_shape(q)[-1],
+                               global_shape(v)[-1])
+    out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, *qkv, causal, float(scale),
                   ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **masks)
-    return em.call(operator.getitem, out, 0), Sharded(2)
+    out = em.call(operator.getitem, out, 0)  # (B, H, c, max(D_qk, D_v))
+    return (out if dv is None else em.call(operator.getitem, out, (Ellipsis, slice(None, dv)))), Sharded(2)
+
+
+def _equal_head_dims(em, q: fx.Node, k: fx.Node, v: fx.Node, d_qk: int, d_v: int):
+    """(q, k, v) zero-padded to one head dim, and the D_v to slice the output back to (None if equal).
+    The ring moves K and V as one block, so their head dims must agree (DeepSeek's MLA has
+    D_qk = 192, D_v = 128). Zero columns of V give zero output columns; zero columns of q and k
+    leave every q·k unchanged (the scale is already fixed from the original D_qk)."""
+    if d_qk == d_v:
+        return (q, k, v), None
+    d = max(d_qk, d_v)
+    pad = lambda x, n: x if n == d else em.call(F.pad, x, (0, d - n))  # noqa: E731
+    return (pad(q, d_qk), pad(k, d_qk), pad(v, d_v)), (d_v if d_v < d else None)
 
 
 def whole_rule(em: Any, node: fx.Node):
