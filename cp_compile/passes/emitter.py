@@ -138,7 +138,6 @@ class Emitter:
             return self.to_sharded(node, dim), Sharded(dim)
         return new, GLOBAL
 
-
     def _written_whole(self, node: fx.Node, new: fx.Node, whole: fx.Node) -> Any:
         """An in-place op run on the gathered copy of a Sharded destination (``mask.scatter_(1, idx, 1)``):
         from here on the destination is this rank's rows of that written copy, so later readers see the

@@ -7,7 +7,8 @@
 depend on position, so a buffer shaped like a Sharded value with the global length at the same
 dim is created at the local length. ``copy_`` into a Sharded destination is elementwise: the
 pointwise rule, writing this rank's rows of the destination in place. A destination held
-whole, or a factory of another shape, takes the general path (a gather, warned).
+whole, or a factory of another shape, takes the path of an op with no rule (the oracle, else a
+gather, warned).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch.fx as fx
 from ..context import global_shape
 from ..emitter import Emitter
 from ..layouts import Sharded
+from ..oracle import decide
+from .common import _name
 from .pointwise import pointwise
 
 FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full")
@@ -38,7 +41,7 @@ def new_factory(em: Emitter, node: fx.Node):
     shape = global_shape(x)
     if not (isinstance(lay, Sharded) and lay.inner == 1 and len(sizes) == len(shape)
             and all(type(s) is int for s in sizes) and sizes[lay.dim] == shape[lay.dim]):
-        return em.fallback(node, f"{node.target} of a shape that is not the sequence-sharded value's")
+        return _unruled(em, node)
     sizes[lay.dim] = em.method("size", em.env[x], lay.dim)  # this rank's length (padding included)
     return em.copy(node, (em.env[x], tuple(sizes), *rest), dict(node.kwargs)), Sharded(lay.dim)
 
@@ -47,7 +50,12 @@ def copy_into(em: Emitter, node: fx.Node):
     """``dst.copy_(src)`` with a Sharded destination: elementwise, this rank's rows in place."""
     if isinstance(em.layout(node.args[0]), Sharded):
         return pointwise(em, node)
-    return em.fallback(node, "copy_ into a value held whole (its rows on every rank)")
+    return _unruled(em, node)
+
+
+def _unruled(em: Emitter, node: fx.Node):
+    """Outside these rules: the path of an op with no rule (the oracle, else a gather)."""
+    return decide(em, node) or em.fallback(node, f"{_name(node)} is not known to be per-token")
 
 
 def fill_rules() -> dict:

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..context import fake_value, global_shape
-from ..emitter import Emitter
+from ..emitter import Emitter, mutates
 from ..layouts import GLOBAL, Local, Sharded
 from .common import _flat_args, _key, _sharded
 from .pointwise import pointwise
@@ -222,14 +222,9 @@ def _write_back(em: Emitter, node: fx.Node, dim: int, idx: Any, src: Any, idx_di
         return refuse(em, node, why)
     new = em.copy(node, (out_new, *em.value(node.args[1:])), em.value(node.kwargs))
     lay = Sharded(dim, ilay.token[1])
-    if _in_place(node) and not isinstance(em.layout(out), Sharded):  # a whole out: the write went to its rows here
+    if mutates(node) and not isinstance(em.layout(out), Sharded):  # a whole out: the write went to its rows here
         em.env[out], em.layouts[out] = out_new, lay  # later readers of out read the written rows
     return new, (None if node.target is operator.setitem else lay)
-
-
-def _in_place(node: fx.Node) -> bool:
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return node.target is operator.setitem or (isinstance(name, str) and name.endswith("_"))
 
 
 # ------------------------------------------------------------------------- the inverse permutation
