@@ -363,3 +363,23 @@ def _describe(bounds: Optional[Bounds]) -> str:
     if hi == 0:
         return "causal" if lo is None else f"a causal sliding window of {1 - lo}"
     return f"the band {lo} <= kv - q <= {hi}"
+
+
+def real_values(nodes: List[fx.Node]) -> Optional[List[torch.Tensor]]:
+    """The real values of ``nodes``, computed now from constants and gradient-free state as
+    :func:`constant_band` computes a term (one evaluation, shared intermediates), or None when
+    one of them reads anything else, is a symbolic-size slice, or does not run on real values."""
+    memo: Dict[fx.Node, _Value] = {}
+    leaves: List[fx.Node] = []
+    try:
+        with torch.no_grad(), unset_fake_temporarily():
+            out = [_evaluate(n, memo, leaves) for n in nodes]
+    except NotConstant as e:
+        log.debug("cp_compile: %s not evaluated at compile time: %s", [n.name for n in nodes], e)
+        return None
+    except Exception as e:  # noqa: BLE001 - an op that does not run on the real values: not evaluated
+        log.debug("cp_compile: %s could not be evaluated: %s: %s", [n.name for n in nodes], type(e).__name__, e)
+        return None
+    if any(v.prefix or not isinstance(v.value, torch.Tensor) for v in out):
+        return None
+    return [v.value for v in out]

@@ -58,6 +58,8 @@ from .buffers import constant_band
 from .docs import Doc, doc_term, read_inputs_whole, steps_source
 from .index import INDEX_HANDLERS, Affine, Flag, Unrecognised, advanced_index, affine, basic_index, combine
 from .lift import Rule, additive_parts, lift_term
+from .verify import agrees_with_term
+from .verify import agrees_with_term
 
 Q_DIM, KV_DIM = -2, -1  # where query and key positions vary in a (B, H, S_q, S_kv) mask
 
@@ -101,11 +103,11 @@ def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
         band, rest = _within_documents(mask, docs, band, rest, seq_len)
     kind = _band_kind(band, seq_len)
     if kind is None:  # a band the ring op cannot express: the whole mask as one rule of positions, or explicit
-        whole = lift_term(mask, seq_len)
-        kind, docs = MaskKind(causal=False), []
-        is_bool = _dtype(mask) is torch.bool
-        rest, scores = ([whole] if is_bool else [], [] if is_bool else [whole]) if whole is not None else ([mask], [])
-    rules = tuple(t for t in rest if isinstance(t, Rule))
+        whole = _lifted(mask, seq_len)
+        kind, docs, rest, scores = MaskKind(causal=False), [], [whole if whole is not None else mask], []
+    # a lifted term is a mask_mod if boolean, a score_mod if float (what SDPA makes of the term)
+    scores = list(scores) + [t for t in rest if isinstance(t, Rule) and t.additive]
+    rules = tuple(t for t in rest if isinstance(t, Rule) and not t.additive)
     explicit = tuple(dict.fromkeys(t for t in rest if not isinstance(t, (Doc, Rule))))  # each term once, in order
     doc_ids = docs[0].ids if docs else None
     if doc_ids is not None:
@@ -132,7 +134,7 @@ def _split_additive(mask: fx.Node, seq_len: int) -> Optional[Tuple[Tuple[Band, L
     band, scores = Band(), []
     for a in adds:
         bounds = constant_band(a, seq_len) if isinstance(a, fx.Node) else None
-        rule = lift_term(a, seq_len) if bounds is None and isinstance(a, fx.Node) else None
+        rule = _lifted(a, seq_len) if bounds is None and isinstance(a, fx.Node) else None
         if bounds is None and rule is None:
             for n in reversed(made):
                 mask.graph.erase_node(n)
@@ -227,7 +229,7 @@ def _split(node: Any, memo: Dict[fx.Node, Abstract], seq_len: int) -> Tuple[Band
         bounds = constant_band(node, seq_len) if isinstance(node, fx.Node) else None
         if bounds is not None:
             return Band(*bounds), []
-        rule = lift_term(node, seq_len) if isinstance(node, fx.Node) else None  # a rule of positions
+        rule = _lifted(node, seq_len) if isinstance(node, fx.Node) else None  # a rule of positions
         return Band(), [rule if rule is not None else node]
     if value == Flag(True) or value is True:
         return Band(), []
@@ -367,3 +369,10 @@ _HANDLERS = {
     operator.and_: _and, torch.logical_and: _and, ("method", "__and__"): _and, ("method", "logical_and"): _and,
 }
 _AND_TARGETS = {k[1] if isinstance(k, tuple) else k for k, h in _HANDLERS.items() if h is _and}  # fx targets
+
+
+def _lifted(term: fx.Node, seq_len: int) -> Optional[Rule]:
+    """The rule of positions of ``term`` (:func:`.lift.lift_term`), used only if it computes the
+    tensor it replaces (:func:`.verify.agrees_with_term`); else None (the term stays explicit)."""
+    rule = lift_term(term, seq_len)
+    return rule if rule is not None and agrees_with_term(rule) else None

@@ -61,6 +61,14 @@ class Rule:
     leaves: Tuple[fx.Node, ...]
     shapes: Tuple[Tuple[int, int, int, int], ...]
 
+    @property
+    def additive(self) -> bool:
+        """Whether the term is added to the scores (a float term: a ``score_mod``) rather than
+        selecting keys (a boolean term: a ``mask_mod``). Decided by the term's dtype alone, as
+        SDPA decides what its ``attn_mask`` means."""
+        val = fake_value(self.term)
+        return not (isinstance(val, torch.Tensor) and val.dtype is torch.bool)
+
 
 def _shape(node: Any) -> Optional[Tuple[int, ...]]:
     val = fake_value(node) if isinstance(node, fx.Node) else None
@@ -197,8 +205,11 @@ def lift_term(term: fx.Node, seq_len: int) -> Optional[Rule]:
         out = walk.visit(term, {r: r for r in ROLES})
     except (TypeError, ValueError, IndexError):
         return None
-    if out is None or not walk.leaves or not isinstance(out, fx.Node) or out.op == "placeholder":
+    if out is None or not walk.leaves or not isinstance(out, fx.Node):
         return None
+    if out.op == "placeholder" and fake_value(term).dtype is torch.bool:
+        return None  # a boolean O(S) leaf (a key row) is cheaper as the explicit row it is
+    # an additive term that is itself one O(S) leaf (MPT's per-key bias) is a rule: the identity
     walk.graph.output(out)
     return Rule(term, fx.GraphModule(torch.nn.Module(), walk.graph), tuple(walk.leaves), tuple(walk.shapes))
 

@@ -19,6 +19,8 @@ names the cheaper form.
 
 from __future__ import annotations
 
+import functools
+
 import operator
 from functools import reduce
 from typing import Any, Dict, Sequence
@@ -106,8 +108,30 @@ def is_elementwise(node: fx.Node) -> bool:
     """Whether output row i of ``node`` depends only on row i of each operand (``x == 0``, ``a & b``,
     ``m.bool()``; not ``cumsum``, ``expand``). Also used by :mod:`.buffers`."""
     if node.op == "call_method":
-        return node.target in _ELEMENTWISE_METHODS
-    return node.op == "call_function" and node.target in _ELEMENTWISE_FUNCS
+        return node.target in _ELEMENTWISE_METHODS or _aten_pointwise(node.target)
+    return node.op == "call_function" and (node.target in _ELEMENTWISE_FUNCS or (
+        getattr(node.target, "__module__", "") in _TORCH_MODULES and _aten_pointwise(node.target.__name__)))
+
+
+_TORCH_MODULES = ("torch", "torch.nn.functional", "torch._C._VariableFunctions", "torch._C._nn", "torch.special")
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_pointwise(name: str) -> bool:
+    """Whether every ATen overload of ``name`` (a torch function or Tensor method: abs, exp, clamp,
+    tanh, ...) is tagged pointwise and draws no random numbers."""
+    packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) and not name.endswith("_") else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    tags = [op.tags for op in (getattr(packet, o) for o in packet.overloads()) if _on_tensors(op._schema)]
+    return bool(tags) and all(torch.Tag.pointwise in t and torch.Tag.nondeterministic_seeded not in t for t in tags)
+
+
+def _on_tensors(schema: Any) -> bool:
+    """A functional overload from tensors to a tensor (not ``out=``, not the int / float scalar forms)."""
+    args, rets = schema.arguments, schema.returns
+    return (not schema.is_mutable and bool(args) and str(args[0].type) == "Tensor" and len(rets) == 1
+            and str(rets[0].type) == "Tensor")
 
 
 def _expand_rows(em: Any, node: fx.Node, memo: Dict[fx.Node, Any]) -> fx.Node:
