@@ -170,8 +170,8 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     expand_fastpath(gm, ctx)  # their eval-mode fast paths (torch._transformer_encoder_layer_fwd): the same
     fuse_attention(gm, ctx)  # softmax(q @ kT * scale + mask) @ v written by hand: SDPA
     find_attention(gm, ctx)
+    find_unsplit_attention(gm, ctx)  # attention in any other form: a WARNING, or an error under strict
     if not ctx.attention:
-        find_unsplit_attention(gm, ctx)  # attention in another form: a WARNING, or an error under strict
         ctx.record = record_graph(gm, None, ctx)
         return None
     move_loss_slices(gm, ctx)  # loss(logits[:, :-1], y): loss(logits, y padded by ignore_index), no slice

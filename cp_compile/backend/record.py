@@ -74,7 +74,8 @@ class GraphRecord:
             return what
         starts = [f"input {k} (dim {d})" for k, d in self.shard_inputs.items()]
         starts += [f"{k} (dim {d})" for k, d in self.shard_nodes.items()]
-        return (f"{self.rings} of {len(self.attention)} attention(s) became ring attention; sharded from "
+        unsplit = f" ({len(self.unsplit)} more not: gathered)" if self.unsplit else ""
+        return (f"{self.rings} of {len(self.attention)} attention(s) became ring attention{unsplit}; sharded from "
                 f"{', '.join(starts) or 'the attention inputs only'}; {len(self.fallbacks)} gather fallback(s); "
                 f"{self.sharded_fraction:.0%} of activation bytes held sharded")
 

@@ -1,117 +1,68 @@
 """Pass 0b: turn attention written by hand into ``scaled_dot_product_attention``.
 
 Older model code and much research code writes attention out, so the graph has no SDPA
-and, before this pass, got no context parallelism (:mod:`.unsplit` warned). Here each
-such chain is matched in Dynamo's torch-level graph and its last matmul is replaced by
-SDPA, so find_attention, the mask analysis and the ring rewrite see it as usual.
+and, before this pass, got no context parallelism. :mod:`.attention_match` recognises the
+chain from ``q·kᵀ`` to ``w·v`` in any of its spellings (matmul, bmm, ``@``, einsum, baddbmm
+with a bias; scales, biases and masks in any order; views that regroup batch and heads;
+softmax in any dtype); here the chain is replaced by one SDPA, so find_attention, the mask
+analysis and the ring rewrite see it as usual.
 
-Before (q, k, v (B, H, S, D), or (B, S, D) single-head; ``kT`` any (..., D, S) value)::
+Before (Hugging Face BLOOM; q, v (B·H, S, D), kᵀ (B·H, D, S), alibi (B·H, 1, S))::
 
-    scores = q @ k.transpose(-2, -1)                     # or torch.matmul / torch.bmm / k.mT
-    scores = scores * c  |  scores / c                   # zero or more; c a Python number
-    scores = scores.masked_fill(m, -inf)                 # zero or more masks, in any order:
-           | scores + a                                  #   bool m (True = masked), float a
-           | torch.where(keep, scores, -inf)             #   bool keep (True = kept)
-    w = softmax(scores, dim=-1[, dtype=float32])         # F.softmax / torch.softmax / .softmax
-    w = w.to(q.dtype);  w = dropout(w, p=0 | training=False)   # optional
-    out = w @ v                                          # (B, H, S, Dv)
+    scores = alibi.baddbmm(batch1=q, batch2=kT, beta=1.0, alpha=1 / sqrt(D))    # (B·H, S, S)
+    scores = scores.view(B, H, S, S) + causal                                   # float mask (B, 1, S, S)
+    w = softmax(scores, dim=-1, dtype=float32).to(q.dtype)
+    out = bmm(w.view(B·H, S, S), v)                                             # (B·H, S, D)
 
 After::
 
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=Π c)
+    q4, k4, v4 = q.reshape(B, H, S, D), kT.transpose(-2, -1).reshape(B, H, S, D), v.reshape(B, H, S, D)
+    mask = alibi.reshape(B, H, 1, S) + causal
+    out = sdpa(q4, k4, v4, attn_mask=mask, scale=1 / sqrt(D)).reshape(B·H, S, D)
 
-with ``mask`` the AND of the keep masks (``~m``, ``keep``) when every mask is boolean, the
-sum of the additive ones otherwise (booleans folded in as ``where(keep, a, -inf)``); no
-scale op means ``scale=1.0`` (SDPA's default would be 1/√D). A single mask
+SDPA runs on the softmax's leading dims ((B, H); 3-D scores get a head dim of 1). Boolean
+masks are ANDed (``~m`` for a masked_fill), biases summed with their coefficients and the
+booleans folded in as ``where(keep, bias, -inf)``; no scale op means ``scale=1.0`` (SDPA's
+default would be 1/√D); a tensor scale per query row multiplies q. A single mask
 ``masked_fill(triu(ones(S, S), 1).bool(), -inf)`` (or ``tril(ones(S, S)) == 0``, ``~tril``)
-is causal: SDPA gets ``is_causal=True`` and no mask, so the ring op needs no tensor. 3-D
-q/k/v are given a head dim of 1 (``unsqueeze(1)`` / ``squeeze(1)``). The new nodes get
-fake values and the stack trace of the replaced matmul; the scores, the softmax and the
-mask construction that nothing else reads are erased.
+is causal: SDPA gets ``is_causal=True`` and no mask, so the ring op needs no tensor. The new
+nodes get fake values and the stack trace of the replaced product; the scores, the softmax
+and the mask construction that nothing else reads are erased.
 
-Left as written (:mod:`.unsplit` then warns that this graph gets no CP): the S x S
-scores or weights used by anything else (returned, regularised, ...); a scale that is
-not a number (a tensor, or symbolic under dynamic shapes); a scale after an additive
-mask; dropout that is active; an additive mask that requires grad (a learned bias:
-the ring op treats masks as constants); q/k/v whose lengths, batch dims or dtypes
-differ (cross-attention); scores that are not 3-D or 4-D. A masked_fill with a finite
-fill (``finfo.min``, -1e9) becomes a boolean mask: identical except on rows where every
-key is masked, which a hand-written softmax spreads uniformly and SDPA does not.
+Left as written (:mod:`.unsplit` names each one in a WARNING, the reason from the matcher):
+the S x S scores or weights used by anything else (returned, regularised, ...); a scale that
+is not a number or a per-row tensor; active dropout; a bias that requires grad (learned, or
+computed from activations: the ring op applies biases of positions only); q/k/v whose
+lengths, batch dims or dtypes differ (cross-attention). A masked_fill with a finite fill
+(``finfo.min``, -1e9) becomes a boolean mask: identical except on rows where every key is
+masked, which a hand-written softmax spreads uniformly and SDPA does not.
 """
 
 from __future__ import annotations
 
-import math
 import operator
-from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .context import RewriteContext, fake_value, log, source_line
+from .attention_match import Match, Operand, Term, is_softmax, match_attention
+from .op_vocab import arg as _arg, is_ as _is, same as _same, tensor as _tensor
+from .context import RewriteContext, log, source_line
 from .fake_emit import FakeEmitter
 
-_MATMUL_FUNCS = {operator.matmul, torch.matmul, torch.bmm}
-_MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
-_SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.nn.functional.softmax}
-_CASTS = {"to", "type_as", "float", "half", "bfloat16", "double", "type", "contiguous"}
-_MUL = {operator.mul, torch.mul, "mul", operator.imul}
-_DIV = {operator.truediv, torch.div, torch.true_divide, "div", "true_divide", operator.itruediv}
-_ADD = {operator.add, torch.add, "add", operator.iadd}
-_MASKED_FILL = {torch.masked_fill, "masked_fill"}
-_WHERE = {torch.where, "where"}
-_DROPOUT = {F.dropout, torch.dropout, torch.nn.functional.dropout}
-_MASKING_FILL = -1e4  # a fill at or below this masks its score (exp underflows to 0 next to any real score)
 
-
-def _is(node: Any, targets: set) -> bool:
-    """Whether ``node`` is a call of one of ``targets`` (functions, or method names as str)."""
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_method":
-        return node.target in targets
-    return node.op == "call_function" and node.target in targets
-
-
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _tensor(x: Any) -> Optional[torch.Tensor]:
-    val = fake_value(x) if isinstance(x, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _same(a: Any, b: Any) -> bool:
-    return statically_known_true(a == b)
-
-
-@dataclass
-class _Match:
-    """One hand-written attention: its inputs, and every node of the chain (in graph order)."""
-
-    q: fx.Node
-    kt: fx.Node  # (..., D, S)
-    v: fx.Node
-    out: fx.Node  # the final matmul
-    scale: float = 1.0
-    keep: List[Tuple[fx.Node, bool]] = field(default_factory=list)  # (bool mask, True = keep / False = masked)
-    additive: List[fx.Node] = field(default_factory=list)
-    chain: List[fx.Node] = field(default_factory=list)
+UNFUSED = "cp_unfused"  # node.meta key on a softmax whose matched attention could not be emitted: why
 
 
 def fuse_attention(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     """Replace each hand-written attention by SDPA; return how many were."""
     count = 0
     for node in list(gm.graph.nodes):
-        if getattr(node, "_erased", False) or not _is_softmax(node):
+        if getattr(node, "_erased", False) or not is_softmax(node):
             continue
-        match, why = _match(node)
+        match, why = match_attention(node)
         if match is None:
             if why:
                 log.info("cp_compile: softmax at %s is not turned into scaled_dot_product_attention: %s",
@@ -124,144 +75,6 @@ def fuse_attention(gm: fx.GraphModule, ctx: RewriteContext) -> int:
         gm.recompile()
         log.info("cp_compile: %d hand-written attention(s) turned into scaled_dot_product_attention", count)
     return count
-
-
-def _is_softmax(node: fx.Node) -> bool:
-    return _is(node, _SOFTMAX_FUNCS) or _is(node, {"softmax"})
-
-
-def _only_user(node: fx.Node) -> Optional[fx.Node]:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _match(softmax: fx.Node) -> Tuple[Optional[_Match], str]:
-    """The attention around ``softmax``, or (None, why not; "" when it is not attention at all)."""
-    scores = softmax.args[0] if softmax.args else softmax.kwargs.get("input")
-    sv, wv = _tensor(scores), _tensor(softmax)
-    if sv is None or wv is None or sv.dim() not in (3, 4):
-        return None, ""
-    dim = _arg(softmax, 1, "dim")
-    dtype_at = 3 if softmax.target is F.softmax else 2  # F.softmax(x, dim, _stacklevel, dtype)
-    dtype = _arg(softmax, dtype_at, "dtype")
-    if dim not in (-1, sv.dim() - 1) or (dtype is not None and dtype not in (torch.float32, torch.float64)):
-        return None, ""
-    # forward: casts and inactive dropout, then `@ v`
-    node, chain = softmax, [softmax]
-    while True:
-        user = _only_user(node)
-        if user is None:
-            return None, "the attention weights are also used elsewhere" if len(node.users) > 1 else ""
-        if _is(user, _CASTS) and user.args[0] is node and _shape_kept(user, node):
-            node = user
-        elif _is(user, _DROPOUT) and _arg(user, 0, "input") is node:
-            p, training = _arg(user, 1, "p", 0.5), _arg(user, 2, "training" if user.target is not torch.dropout
-                                                       else "train", True)
-            if not (isinstance(p, (int, float)) and (p == 0 or training is False)):
-                return None, f"attention dropout p={p} is active (set it to 0 or call model.eval())"
-            node = user
-        elif (_is(user, _MATMUL_FUNCS) or _is(user, _MATMUL_METHODS)) and user.args[0] is node \
-                and len(user.args) == 2 and not user.kwargs:
-            out, v = user, user.args[1]
-            break
-        else:
-            return None, ""
-        chain.append(node)
-    # backward: masks, scales and casts from the softmax input down to `q @ kT`
-    m = _Match(q=None, kt=None, v=v, out=out)  # type: ignore[arg-type]
-    scaled_after = False  # a scale op was met walking up: in graph order it follows every mask met from here
-    below = []
-    node = scores
-    while True:
-        if not isinstance(node, fx.Node) or len(node.users) != 1:
-            return None, ("the attention scores are also used elsewhere" if isinstance(node, fx.Node) else "")
-        below.append(node)
-        if below[1:] and not _shape_kept(below[-2], node):  # a mask that broadcasts the scores up
-            return None, ""
-        if (_is(node, _MATMUL_FUNCS) or _is(node, _MATMUL_METHODS)) and len(node.args) == 2 and not node.kwargs:
-            m.q, m.kt = node.args
-            break
-        if _is(node, _CASTS) and _shape_kept(node, node.args[0]):
-            node = node.args[0]
-        elif _is(node, _MUL) or _is(node, _DIV):
-            a, b = node.args[:2]
-            if len(node.args) > 2 or node.kwargs:
-                return None, ""
-            x, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
-            if not isinstance(x, fx.Node) or isinstance(c, fx.Node) or not isinstance(c, (int, float)):
-                return None, "its scale is not a number (a tensor, or symbolic under dynamic shapes)"
-            if c == 0 or (_is(node, _DIV) and x is not a):
-                return None, ""
-            m.scale *= (1.0 / c) if _is(node, _DIV) else c
-            scaled_after = True
-            node = x
-        elif _is(node, _ADD) and len(node.args) == 2 and not node.kwargs:
-            a, b = node.args
-            x, mask = (a, b) if _comes_from_matmul(a) else (b, a)
-            mval = _tensor(mask)
-            if mval is None or not mval.is_floating_point():
-                return None, ""
-            if scaled_after:
-                return None, "it scales the scores after adding a mask (the mask would be scaled too)"
-            if mval.requires_grad:
-                return None, "its additive mask requires grad (a learned bias; the ring op treats masks as constants)"
-            m.additive.append(mask)
-            node = x
-        elif _is(node, _MASKED_FILL) and len(node.args) == 3:
-            x, mask, fill = node.args
-            if not _masks(fill) or _tensor(mask) is None or _tensor(mask).dtype != torch.bool:
-                return None, "" if not isinstance(fill, (int, float)) else f"its masked_fill value {fill} does not mask"
-            m.keep.append((mask, False))
-            node = x
-        elif _is(node, _WHERE) and len(node.args) == 3 and _tensor(node.args[0]) is not None \
-                and _tensor(node.args[0]).dtype == torch.bool:
-            cond, a, b = node.args
-            if isinstance(a, fx.Node) and _masks(b):
-                m.keep.append((cond, True))
-                node = a
-            elif isinstance(b, fx.Node) and _masks(a):
-                m.keep.append((cond, False))
-                node = b
-            else:
-                return None, ""
-        else:
-            return None, ""
-    if m.scale <= 0 or not math.isfinite(m.scale):
-        return None, f"its scale {m.scale} is not positive"  # a masked -inf must stay -inf
-    m.chain = list(reversed(below)) + chain + [out]
-    return _check_shapes(m)
-
-
-def _comes_from_matmul(node: Any, hops: int = 6) -> bool:
-    """Whether ``node`` is (a few pointwise ops below) a matmul: tells the scores from the mask in ``a + b``."""
-    if not isinstance(node, fx.Node):
-        return False
-    if _is(node, _MATMUL_FUNCS) or _is(node, _MATMUL_METHODS):
-        return True
-    return hops > 0 and bool(node.args) and _comes_from_matmul(node.args[0], hops - 1)
-
-
-def _masks(fill: Any) -> bool:
-    return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= _MASKING_FILL
-
-
-def _shape_kept(node: fx.Node, src: Any) -> bool:
-    a, b = _tensor(node), _tensor(src)
-    return a is not None and b is not None and a.shape == b.shape and a.device == b.device
-
-
-def _check_shapes(m: _Match) -> Tuple[Optional[_Match], str]:
-    q, kt, v, out = (_tensor(x) for x in (m.q, m.kt, m.v, m.out))
-    if any(t is None for t in (q, kt, v, out)) or not (q.dim() == kt.dim() == v.dim() in (3, 4)):
-        return None, ""
-    if not (q.dtype == kt.dtype == v.dtype == out.dtype) or not q.is_floating_point():
-        return None, "q, k, v and the output differ in dtype"
-    lead = [tuple(t.shape[:-2]) for t in (q, kt, v)]
-    if not all(len(a) == len(lead[0]) and all(_same(x, y) for x, y in zip(a, lead[0])) for a in lead):
-        return None, "q, k and v differ in their batch or head dims"
-    L, S = q.shape[-2], kt.shape[-1]
-    if not (_same(L, S) and _same(v.shape[-2], S) and _same(q.shape[-1], kt.shape[-2])):
-        return None, "it is not self-attention over one sequence (q and k lengths differ)"
-    return m, ""
 
 
 # -- causal masks built with triu / tril ------------------------------------------------------
@@ -306,11 +119,11 @@ def _trivial_index(index: Any) -> bool:
     return all(i is None or i is Ellipsis or i == slice(None) for i in flat)
 
 
-def _causal(m: _Match, seq: Any) -> Optional[List[fx.Node]]:
+def _causal(m: Match, seq: Any) -> Optional[List[fx.Node]]:
     """The mask-building nodes when the one mask of ``m`` is exactly causal, else None."""
-    if m.additive or len(m.keep) != 1:
+    if m.biases or len(m.keeps) != 1:
         return None
-    mask, keep = m.keep[0]
+    mask, keep = m.keeps[0].node, m.keeps[0].keep
     dead: List[fx.Node] = []
     region = _region(mask, seq, dead)
     if region is None:
@@ -341,52 +154,97 @@ def _key(em: FakeEmitter, kt: fx.Node) -> fx.Node:
     return em.method("transpose", given, -2, -1)
 
 
-def _mask(em: FakeEmitter, m: _Match) -> Optional[fx.Node]:
-    """The one attn_mask of all the masks (see the module docstring)."""
-    keep = [mask if kept else em.fn(operator.invert, mask) for mask, kept in m.keep]
-    if not m.additive:
-        out = keep[0] if keep else None
-        for k in keep[1:]:
-            out = em.fn(operator.and_, out, k)
-        return out
-    out = m.additive[0]
-    for a in m.additive[1:]:
-        out = em.fn(operator.add, out, a)
-    for k in keep:
-        out = em.fn(torch.where, k, out, float("-inf"))
+def _target_lead(lead: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """The (B, H) SDPA runs on: the softmax's two leading dims; one leading dim gets a head of 1."""
+    return tuple(lead) if len(lead) == 2 else (tuple(lead) + (1,) if lead else (1, 1))
+
+
+def _shape(em: FakeEmitter, node: fx.Node, lead: Tuple[Any, ...]) -> List[Any]:
+    """``lead`` + ``node``'s last two dims, as reshape arguments (one symbolic size may become -1)."""
+    dims = [d if isinstance(d, int) else None for d in lead] + [em.size(node, -2), em.size(node, -1)]
+    if dims.count(None) > 1:
+        raise RuntimeError("more than one symbolic leading dim")
+    return [-1 if d is None else d for d in dims]
+
+
+def _operand(em: FakeEmitter, op: Operand, lead: Tuple[Any, ...]) -> fx.Node:
+    """q, k or v as (B, H, S, D) on ``lead``."""
+    node = _key(em, op.node) if op.how == "T" else (em.fn(torch.einsum, op.how, op.node) if op.how else op.node)
+    shape = _tensor(node).shape
+    if len(shape) == len(lead) + 2 and all(_same(a, b) for a, b in zip(shape[:-2], lead)):
+        return node
+    return em.method("reshape", node, *_shape(em, node, lead))
+
+
+def _regroup(em: FakeEmitter, term: Term, lead: Tuple[Any, ...]) -> fx.Node:
+    """A bias, mask or row scale applied to scores of shape ``term.frame``, for scores on ``lead``."""
+    shape, frame_lead = tuple(_tensor(term.node).shape), term.frame[:-2]
+    if len(frame_lead) == len(lead) and all(_same(a, b) for a, b in zip(frame_lead, lead)):
+        return term.node  # SDPA broadcasts it as the scores did
+    shape = (1,) * (len(term.frame) - len(shape)) + shape
+    if all(_same(d, 1) for d in shape[:-2]):
+        return em.method("reshape", term.node, em.size(term.node, -2), em.size(term.node, -1))
+    if all(_same(a, b) for a, b in zip(shape[:-2], frame_lead)):
+        return em.method("reshape", term.node, *_shape(em, term.node, lead))
+    raise RuntimeError(f"a mask or bias of shape {shape} broadcasts over part of the leading dims {frame_lead}")
+
+
+def _mask(em: FakeEmitter, m: Match, lead: Tuple[Any, ...]) -> Optional[fx.Node]:
+    """The one attn_mask of all the masks and biases (see the module docstring)."""
+    keep = [_regroup(em, t, lead) for t in m.keeps]
+    keep = [k if t.keep else em.fn(operator.invert, k) for k, t in zip(keep, m.keeps)]
+    kept = keep[0] if keep else None
+    for k in keep[1:]:
+        kept = em.fn(operator.and_, kept, k)
+    if not m.biases:
+        return kept
+    out = None
+    for t in m.biases:
+        b = _regroup(em, t, lead)
+        b = b if t.coef == 1 else em.fn(operator.mul, b, t.coef)
+        out = b if out is None else em.fn(operator.add, out, b)
+    return out if kept is None else em.fn(torch.where, kept, out, float("-inf"))
+
+
+def _emit(em: FakeEmitter, m: Match, causal: bool) -> fx.Node:
+    """The SDPA of ``m`` and the ops that give it the final product's shape."""
+    lead = _target_lead(m.lead)
+    q, k, v = (_operand(em, op, lead) for op in (m.q, m.k, m.v))
+    for t in m.row_scales:
+        q = em.fn(operator.mul, q, _regroup(em, t, lead))
+    mask = None if causal else _mask(em, m, lead)
+    dtype = _tensor(q).dtype
+    if mask is not None and _tensor(mask).dtype not in (torch.bool, dtype):
+        mask = em.method("to", mask, dtype)
+    out = em.fn(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal,
+                scale=float(m.scale))
+    wlead = m.weights_frame[:-2]
+    if not (len(wlead) == len(lead) and all(_same(a, b) for a, b in zip(wlead, lead))):
+        out = em.method("reshape", out, *_shape(em, out, wlead))
+    if m.out_how:
+        out = em.fn(torch.einsum, m.out_how, out)
+    if _tensor(out).shape != _tensor(m.out).shape:
+        raise RuntimeError(f"shape {tuple(_tensor(out).shape)} != {tuple(_tensor(m.out).shape)}")
     return out
 
 
-def _replace(graph: fx.Graph, m: _Match) -> bool:
-    """Emit SDPA before the final matmul, reroute its users, erase the dead chain."""
-    em = FakeEmitter(graph, m.out, m.q)
-    q = _tensor(m.q)
-    three_d = q.dim() == 3
-    causal_nodes = _causal(m, q.shape[-2])
+def _replace(graph: fx.Graph, m: Match) -> bool:
+    """Emit SDPA before the final product, reroute its users, erase the dead chain."""
+    em = FakeEmitter(graph, m.out, m.q.node)
+    causal_nodes = _causal(m, m.q.shape[-2])
     try:
-        k = _key(em, m.kt)
-        mask = None if causal_nodes is not None else _mask(em, m)
-        qs, ks, vs = m.q, k, m.v
-        if three_d:  # SDPA and the ring take (B, H, S, D): one head
-            qs, ks, vs = (em.method("unsqueeze", x, 1) for x in (qs, ks, vs))
-            if mask is not None and _tensor(mask).dim() == 3:
-                mask = em.method("unsqueeze", mask, 1)
-        if mask is not None and _tensor(mask).dtype not in (torch.bool, q.dtype):
-            mask = em.method("to", mask, q.dtype)
-        out = em.fn(F.scaled_dot_product_attention, qs, ks, vs, attn_mask=mask, dropout_p=0.0,
-                    is_causal=causal_nodes is not None, scale=float(m.scale))
-        if three_d:
-            out = em.method("squeeze", out, 1)
-        if _tensor(out).shape != _tensor(m.out).shape:
-            raise RuntimeError(f"shape {tuple(_tensor(out).shape)} != {tuple(_tensor(m.out).shape)}")
+        out = _emit(em, m, causal_nodes is not None)
     except Exception as e:  # a form the fake SDPA refuses (mask shape, dtype): leave the code as written
         em.undo()
         log.info("cp_compile: hand-written attention at %s left as written: %s", source_line(m.out), e)
+        softmax = next(n for n in m.chain if is_softmax(n))
+        softmax.meta[UNFUSED] = f"it could not be written as scaled_dot_product_attention ({e})"
         return False
     m.out.replace_all_uses_with(out)
-    kt_ops = [m.kt]  # kT and the contiguous / transpose it came through
-    while _is(kt_ops[-1], {"contiguous", "clone", "transpose", "permute", "swapaxes", torch.transpose,
-                           torch.permute, torch.swapaxes, getattr}) and isinstance(kt_ops[-1].args[0], fx.Node):
+    kt_ops = [m.k.node] if m.k.how == "T" else []  # kT and the contiguous / transpose it came through
+    while kt_ops and _is(kt_ops[-1], {"contiguous", "clone", "transpose", "permute", "swapaxes", torch.transpose,
+                                      torch.permute, torch.swapaxes, getattr}) \
+            and isinstance(kt_ops[-1].args[0], fx.Node):
         kt_ops.append(kt_ops[-1].args[0])
     for node in list(reversed(m.chain)) + kt_ops + (causal_nodes or []):  # users before their inputs
         if not getattr(node, "_erased", False) and not node.users and node.op in ("call_function", "call_method"):

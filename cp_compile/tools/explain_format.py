@@ -63,6 +63,8 @@ def format_explain(r: Report, target: str = "") -> str:
         lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(mask, form)}"]
         if form:
             lines.append(f"  {'':<{w}}  mask form: {form}")
+    lines += [f"  WARNING: attention that ring_cp cannot split (run on the gathered sequence), at {u}"
+              for u in ctx.unsplit]
     lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or
                                        "none (every input stays whole; values are indexed by position)"))
     for name, dim in ctx.shard_nodes.items():  # passes/seq_origins.py
