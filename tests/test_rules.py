@@ -98,7 +98,46 @@ def test_rows_cover_every_rule_module() -> None:
     """Every module of the rules package that holds rules has a row here (attention and the
     losses are covered by every model test, FlexAttention by tests/test_flex_attention.py, the
     data-dependent selections of MoE routing by tests/test_zoo_moe.py, fresh buffers (new_empty,
-    copy_) by tests/test_mla.py; the table itself has no rule of its own)."""
+    copy_) by tests/test_mla.py, custom autograd functions below; the table itself has no rule
+    of its own)."""
     modules = {fn.__module__.rsplit(".", 1)[1] for fn in RULES.values()}
     covered: Tuple[str, ...] = tuple(row[1] for row in ROWS.values())
-    assert modules - set(covered) <= {"attention", "flex", "routing", "fill"}, modules - set(covered)
+    assert modules - set(covered) <= {"attention", "flex", "routing", "fill", "autograd_fn"}, modules - set(covered)
+
+
+class _TanhGelu(torch.autograd.Function):
+    """A per-token activation with a hand-written backward (Hugging Face BLOOM's GeLU)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.79788456 * (1 + 3 * 0.044715 * x * x))
+
+
+class _RunningSum(torch.autograd.Function):
+    """Mixes tokens (a cumulative sum over the sequence): not per-token, so gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.cumsum(1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.flip(1).cumsum(1).flip(1)
+
+
+@pytest.mark.parametrize("fn,per_token", [(_TanhGelu, True), (_RunningSum, False)])
+def test_custom_autograd_function(fn: Any, per_token: bool) -> None:
+    """autograd_fn.py: a Function whose forward and backward are per-token runs on the shards; one
+    that mixes tokens is gathered (warned), never run on the shards."""
+    report = _rewrite(lambda m, x: fn.apply(x @ m.w))  # an input that needs grad: Dynamo keeps the Function
+    apply = torch.ops.higher_order.autograd_function_apply
+    (node,) = [n for n in report.after.graph.nodes if n.target is apply]
+    assert (report.ctx.fallbacks == []) is per_token, report.ctx.fallbacks
+    assert tuple(node.meta["val"][0].shape) == ((2, C, D) if per_token else (2, S, D))

@@ -18,6 +18,7 @@ themselves live in the modules named in the first column).
 | attention (attention.py) | scaled_dot_product_attention on Sharded or whole q/k/v (whole: indexed by position) | ring_attention -> Sharded |
 | flex attention (flex.py) | torch.ops.higher_order.flex_attention: mask_mod / score_mod at global positions, their buffers whole | ring_attention(mods=...) -> (Sharded, Sharded, -) |
 | losses (attention.py) | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
+| custom autograd.Function (autograd_fn.py) | higher_order.autograd_function_apply whose forward and backward bodies are per-token by their ATen decompositions | Sharded(d) per output |
 | fresh buffers (fill.py) | x.new_empty / new_zeros / new_ones / new_full shaped like Sharded x; dst.copy_(src) into a Sharded dst | Sharded(d), at the local length; copy_ elementwise in place |
 | anything else | per-token by its ATen decomposition (passes/oracle.py: erf, lerp, normalize(-1), ...) | as DTensor propagates |
 | what the oracle refuses | (token mixing: slices along d, roll, cumsum, conv, ...) | fallback: gather to Global, warn |
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from ..emitter import Emitter
 from ..oracle import decide
 from .attention import attention_rule, loss_rules
+from .autograd_fn import autograd_function_rules
 from .common import Rule, _key, _name
 from .complex import complex_rules
 from .einsum import einsum_rules
@@ -79,6 +81,7 @@ def _table() -> Dict[Any, Rule]:
     t.update(complex_rules())
     t.update(einsum_rules())
     t.update(flex_rules())
+    t.update(autograd_function_rules())
     t.update(fill_rules())
     t.update({k: select for k in _SELECT})
     t.update({k: sort for k in _SORT})
