@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .. import graph_ops
-from .context import CPRewriteError, RewriteContext, global_shape, source_line
+from .context import CPRewriteError, RewriteContext, fake_value, global_shape, log, source_line
 from .layouts import GLOBAL, Layout, Local, Sharded
 from .seqindex import SeqIndex
 
@@ -122,9 +122,14 @@ class Emitter:
         sequence, a same-padded conv) is sharded again at once, along that input's dim:
         the gather costs the one op that needs the whole sequence, not every op after it.
         Any other result stays Global."""
-        self.ctx.fallback(node, why)
         sharded = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(self.layout(a), Sharded)]
-        gathered = {a: self.to_global(a) for a in sharded}
+        wholes = {a: self.whole_input(a) for a in sharded}
+        if any(w is None for w in wholes.values()) or _floating(node):
+            self.ctx.fallback(node, why)
+        else:  # integer work on inputs every rank holds whole (labels=input_ids padded): no gather
+            log.info("cp_compile: %s (node %s) at %s runs on the whole input(s) %s every rank was passed",
+                     why, node.name, source_line(node), ", ".join(a.name for a in sharded))
+        gathered = {a: wholes[a] if wholes[a] is not None else self.to_global(a) for a in sharded}
         args, kwargs = fx.node.map_aggregate(
             (node.args, node.kwargs), lambda a: gathered.get(a, self.env.get(a, a)) if isinstance(a, fx.Node) else a
         )
@@ -137,6 +142,15 @@ class Emitter:
             (dim,) = dims
             return self.to_sharded(node, dim), Sharded(dim)
         return new, GLOBAL
+
+    def whole_input(self, x: fx.Node) -> Optional[fx.Node]:
+        """The whole value of sequence input ``x`` that every rank was passed (``inputs="full"``) and that
+        needs no gradient (so it skips no gradient sync), as a node of the new graph; else None."""
+        val = x.meta.get("example_value")
+        if x.op != "placeholder" or self.ctx.inputs != "full" or not isinstance(val, torch.Tensor) \
+                or val.requires_grad:
+            return None
+        return next(n for n in self.graph.nodes if n.op == "placeholder" and n.target == x.target)
 
     def _written_whole(self, node: fx.Node, new: fx.Node, whole: fx.Node) -> Any:
         """An in-place op run on the gathered copy of a Sharded destination (``mask.scatter_(1, idx, 1)``):
@@ -179,3 +193,9 @@ def erase_unused(graph: fx.Graph, nodes: Any) -> None:
         inputs = node.all_input_nodes
         graph.erase_node(node)
         todo.extend(inputs)
+
+
+def _floating(node: fx.Node) -> bool:
+    """Whether ``node`` returns a floating-point tensor (activations: a whole one costs memory)."""
+    flat, _ = tree_flatten(fake_value(node))
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in flat)

@@ -50,7 +50,7 @@ def getitem(em: Any, node: fx.Node):
             if type(i) is int and s.inner == 1 and node.meta.get("example_value", None) is not None \
                     and node.meta["example_value"].dtype is not torch.bool:
                 return _pick_position(em, x, s, index, at, i), GLOBAL
-            whole = _whole_input(em, x)
+            whole = em.whole_input(x)
             if whole is not None:  # every rank was passed this input whole: slice that, no communication
                 return em.copy(node, (whole, em.value(node.args[1])), {}), GLOBAL
             return em.fallback(node, f"slicing the sequence dim with {i!r}")
@@ -79,15 +79,6 @@ def _table_lookup(em: Any, node: fx.Node, index: Optional[tuple]):
             or any(fake_value(i).dtype in (torch.bool, torch.uint8) for _, i in ids):
         return None
     return em.copy(node, (em.env[node.args[0]], em.value(node.args[1])), {}), Sharded(ids[0][0] + lay.dim, lay.inner)
-
-
-def _whole_input(em: Any, x: fx.Node) -> Optional[fx.Node]:
-    """The whole value of sequence input ``x`` that every rank was passed (``inputs="full"``) and that
-    needs no gradient (so it skips no gradient sync), as a node of the new graph; else None."""
-    val = x.meta.get("example_value")
-    if x.op != "placeholder" or em.ctx.inputs != "full" or not isinstance(val, torch.Tensor) or val.requires_grad:
-        return None
-    return next(n for n in em.graph.nodes if n.op == "placeholder" and n.target == x.target)
 
 
 def _pick_position(em: Any, x: fx.Node, s: Sharded, index: tuple, at: int, i: int) -> fx.Node:
