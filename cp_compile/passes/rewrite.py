@@ -185,15 +185,15 @@ def _refuse_random_global(node: fx.Node) -> None:
     )
 
 
-def _drop_unused_masks(em: Emitter) -> None:
-    """Erase the construction of attention masks the ring op replaced by its causal flag.
+def _drop_dead_code(em: Emitter) -> None:
+    """Erase every pure op of the rewritten graph whose value nothing reads, and then its inputs.
 
-    Only nodes that computed nothing else are erased: walking back from each mask, a
-    node goes when it has no users left and is a pure op (not in place, no side effect).
+    The construction of a mask the ring op replaced by its causal flag or a rule (an (S, S)
+    ``triu`` of ``generate_square_subsequent_mask``), a whole value only its shard was taken
+    of: left in, they would run on every rank and count in the record's bytes and in
+    ``cp-compile explain``. In-place and impure ops (random draws, ``_set_grad_enabled``) stay.
     """
-    from .find_attention import sdpa_arg
-
-    erase_unused(em.graph, {em.env.get(sdpa_arg(n, 3, "attn_mask")) for n in em.ctx.masks})
+    erase_unused(em.graph, list(em.graph.nodes))
 
 
 def _check_every_attention_is_the_ring(em: Emitter) -> None:
@@ -239,7 +239,7 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
                 em.env[node], em.layouts[node] = select_rows(em, node, dim), Sharded(dim)
         else:
             em.env[node], em.layouts[node] = apply_rule(em, node)
-    _drop_unused_masks(em)
+    _drop_dead_code(em)
     _check_every_attention_is_the_ring(em)
     new_gm = fx.GraphModule(gm, em.graph)
     new_gm.graph.lint()
