@@ -290,3 +290,30 @@ def test_ring_deterministic(ranks, world_size, dtype_name):
 
 
 # --------------------------------------------------------------------------- large logits
+
+
+# --------------------------------------------------------------------------- memory layout
+
+
+def _strided_rank_fn() -> dict:
+    """q, k, v whose head dim is not innermost (SqueezeBERT's (B, C, S) activations viewed as heads):
+    the CPU flash kernel reads them as if row-major, so the ring op must make them so."""
+    B, H, D, S = 2, 4, 16, 32
+    g = torch.Generator().manual_seed(0)
+    x, dout = torch.randn(B, H * D, S, generator=g), torch.randn(B, H, S, D, generator=g)
+    ref_x = x.double().requires_grad_()
+    heads = lambda t: t.view(B, H, D, -1).permute(0, 1, 3, 2)  # noqa: E731  (B, H, S, D), stride(-1) != 1
+    ref = F.scaled_dot_product_attention(heads(ref_x), heads(ref_x), heads(ref_x), is_causal=True)
+    ref.backward(dout.double())
+    local = cp_compile.shard(x, 2).requires_grad_()
+    q = heads(local)
+    assert q.stride(-1) != 1
+    out = cp_compile.ring_attention(q, q.transpose(-2, -1).transpose(-2, -1), q, causal=True)
+    out.backward(cp_compile.shard(dout, 2))
+    return {"out": relerr(out, cp_compile.shard(ref.detach(), 2)),
+            "dx": relerr(local.grad, cp_compile.shard(ref_x.grad, 2))}
+
+
+def test_head_dim_not_innermost_is_exact(ranks):
+    for rank, errs in enumerate(ranks.run(2, _strided_rank_fn)):
+        assert max(errs.values()) <= FP32_RTOL, (rank, errs)

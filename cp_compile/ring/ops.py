@@ -78,6 +78,7 @@ def ring_attention_fwd(
     rank r's sorted global positions (the same whole tensor on every rank), in place of
     ``load_balance`` (:func:`cp_compile.sequence.check_table`)."""
     opts = _run_options(group_name, kernel, q, timeout, "forward")
+    q, k, v = _dense(q), _dense(k), _dense(v)
     meta = metadata(q, k, v, causal, scale, load_balance, rotate, opts["kernel"].name, valid_len, window,
                     attn_mask, doc_ids=doc_ids, mods=mods, mask_buffers=mask_buffers, score_buffers=score_buffers,
                     positions=positions)
@@ -87,6 +88,13 @@ def ring_attention_fwd(
         spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers),
         positions=_table(positions, opts["group"].size, q.shape[2]), **opts
     )
+
+
+def _dense(t: Tensor) -> Tensor:
+    """``t`` in row-major memory: the CPU flash kernel reads its inputs as if they were, and gives
+    wrong numbers, silently, for a view whose head dim is not the innermost one (q from
+    ``x.view(B, H, D, S).permute(0, 1, 3, 2)``: Hugging Face SqueezeBERT's (B, C, S) layout)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 @ring_attention_fwd.register_fake
@@ -107,6 +115,7 @@ def ring_attention_bwd(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries."""
     opts = _run_options(group_name, kernel, q, timeout, "backward")
+    dout, q, k, v, out = (_dense(t) for t in (dout, q, k, v, out))
     return ring_backward(
         dout, q, k, v, out, lse, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate,
         valid_len=valid_len, spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers),
