@@ -309,3 +309,31 @@ def test_fused_forms_are_exact_ring_attention_on_two_ranks(ranks, name: str) -> 
     for rank, r in enumerate(ranks.run(2, _through_ring_cp, name, timeout=240)):
         assert max(r["errs"]) <= 1e-10 and r["rings"] == 1, (rank, r)
         assert r["fallbacks"] == [] and r["unsplit"] == [], (rank, r)
+
+
+class Recurrent(nn.Module):
+    """No attention at all (a causal convolution language model, as state-space models mix tokens):
+    ring_cp cannot split it, and must say so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.conv = nn.Conv1d(16, 16, 4, padding=3, groups=16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.conv(self.emb(ids).transpose(1, 2))[..., : ids.shape[1]].transpose(1, 2)  # (B, S, 16)
+        return F.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def _recurrent_warnings() -> List[str]:
+    import cp_compile
+
+    torch.manual_seed(0)
+    with cp_compile_warnings() as warnings:
+        torch.compile(Recurrent(), backend=cp_compile.RingCP(inner="aot_eager"))(torch.randint(0, 32, (2, S)))
+    return warnings
+
+
+def test_a_model_without_attention_is_warned(ranks) -> None:
+    for rank, warnings in enumerate(ranks.run(2, _recurrent_warnings, timeout=240)):
+        assert any("found no attention" in w and "ids (2, 16)" in w for w in warnings), (rank, warnings)

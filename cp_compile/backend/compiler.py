@@ -37,7 +37,7 @@ from ..passes.repropagate import repropagate
 from ..passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
 from ..passes.seq_origins import choose_seq_origins
 from ..passes.unsplit import find_unsplit_attention
-from .record import GraphRecord, record_graph, warn_whole_sequence
+from .record import GraphRecord, record_graph, warn_no_attention, warn_whole_sequence
 from .schedule import inductor_overlap_config, schedule_collectives
 
 log = logging.getLogger("cp_compile")
@@ -86,8 +86,10 @@ class RingCP:
             if shared is None:
                 log.info("cp_compile: no attention in this graph: compiling it unchanged")
             compiled = inner(shared if shared is not None else gm, example_inputs)
-            if not ctx.unsplit:  # sequence-long activations in a graph without attention: say so
+            if not ctx.unsplit and self._seq_lens:  # sequence-long activations after a split graph: say so
                 warn_whole_sequence(gm, example_inputs, self._seq_lens, ctx.record)
+            elif not ctx.unsplit:  # nothing split yet: this model (or its first piece) gets no CP
+                warn_no_attention(gm, example_inputs)
             self.no_attention.append(gm)
             self.records.append(ctx.record)
         else:

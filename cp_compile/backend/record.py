@@ -209,6 +209,29 @@ def warn_whole_sequence(gm: fx.GraphModule, example_inputs: List[object], seq_le
                 "part inside the compiled model.", key, ", ".join(rec.whole_inputs))
 
 
+def warn_no_attention(gm: fx.GraphModule, example_inputs: List[object]) -> None:
+    """A graph with no attention, on a CP group, before any graph of this backend had attention
+    (a model with none: an RNN, a state-space model; or code before a graph break): compiled
+    unchanged, every rank runs it on whole inputs. A WARNING once per graph, when it takes a
+    batch (a non-parameter tensor of two dims or more), so no model runs without CP unsaid."""
+    from ..passes.graph_inputs import is_parameter_like
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = [f"{user_name(n)} {tuple(ex.shape)}" for n, ex in zip(placeholders, example_inputs)
+             if isinstance(ex, torch.Tensor) and ex.dim() >= 2 and not is_parameter_like(n, ex)]
+    first = next((n for n in gm.graph.nodes if n.op in ("call_function", "call_method")), None)
+    key = source_line(first) if first is not None else gm.__class__.__name__
+    if not batch or key in _warned:
+        return
+    _warned.add(key)
+    log.warning("cp_compile: ring_cp found no attention in the graph starting at %s (inputs %s): it is compiled "
+                "unchanged and every rank runs it on its whole inputs, with no context parallelism. ring_cp "
+                "splits the sequence around attention (scaled_dot_product_attention, flex_attention, or "
+                "softmax(q·kᵀ)·v written out); a model without attention (recurrent, state-space, "
+                "convolutional) gets none. If this graph is the code before a graph break, fullgraph=True "
+                "shows the break.", key, ", ".join(batch))
+
+
 def _warn_if_low(rec: GraphRecord) -> None:
     """A WARNING when most of a rewritten graph's activation bytes stay whole on every rank."""
     if rec.sharded_fraction >= LOW_SHARDED or not rec.attention:
