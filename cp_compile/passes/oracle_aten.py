@@ -188,4 +188,23 @@ def _flip(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
     raise _Stop("flip along the sequence dim")
 
 
-_EXTRA: Dict[Any, Callable[[fx.Node, Dict[fx.Node, Any]], Any]] = {torch.ops.aten.flip.default: _flip}
+def _pointwise_conv(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
+    """``aten.convolution`` with a kernel of 1 along a sharded spatial dim (stride 1, no padding or
+    dilation there, not transposed): each output position reads its own input position, as a linear
+    does (Hugging Face SqueezeBERT's (B, C, S) 1x1 convolutions). DTensor replicates every convolution."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    x, w, bias, stride, padding, dilation, transposed = n.args[:7]
+    pl = place[x]
+    if not isinstance(pl, Shard) or pl.dim < 2 or transposed or any(
+            isinstance(place.get(a), Shard) for a in (w, bias) if isinstance(a, fx.Node)):
+        raise _Stop("convolution along the sequence dim")
+    i = pl.dim - 2
+    if w.meta["val"].shape[pl.dim] != 1 or stride[i] != 1 or padding[i] != 0 or dilation[i] != 1:
+        raise _Stop("convolution whose kernel spans several sequence positions")
+    assert all(isinstance(place.get(a), Replicate) for a in (w, bias) if isinstance(a, fx.Node))
+    return pl
+
+
+_EXTRA: Dict[Any, Callable[[fx.Node, Dict[fx.Node, Any]], Any]] = {
+    torch.ops.aten.flip.default: _flip, torch.ops.aten.convolution.default: _pointwise_conv}
