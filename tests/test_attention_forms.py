@@ -19,9 +19,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checks import cp_compile_warnings
+from cp_compile.passes.op_vocab import SDPA_TARGETS
 
 B, H, S, D = 2, 4, 16, 8
 TOL = 1e-10  # float64: the fused graph is the same function up to rounding
+ROUNDED = {"softcapped": 1e-6}  # forms whose softmax runs in float32 (Gemma 2's): fused SDPA keeps float64
 
 
 def _qkv(x: torch.Tensor, w: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -106,9 +108,16 @@ def learned_temperature(q, k, v, p):  # a tensor scale per head (requires grad):
     return F.dropout(s.softmax(-1), p=0.0, training=True) @ v
 
 
+def softcapped(q, k, v, p):  # Gemma 2: c · tanh(s / c) of the scaled scores, then the causal mask
+    s = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5
+    s = torch.tanh(s / 2.0) * 2.0
+    s = s + torch.zeros(S, S, dtype=s.dtype).masked_fill(_causal(), torch.finfo(s.dtype).min)
+    return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 FUSED: Dict[str, Callable] = {f.__name__: f for f in (
     matmul_scale, matmul_mt_div, scale_before, scale_after_bias, bias_minus_and_where, einsum_heads_first,
-    einsum_heads_last, bmm_merged_heads, baddbmm_bias, single_head_3d, learned_temperature)}
+    einsum_heads_last, bmm_merged_heads, baddbmm_bias, single_head_3d, learned_temperature, softcapped)}
 
 
 class Form(nn.Module):
@@ -169,7 +178,7 @@ def test_form_is_fused_into_one_sdpa_with_the_same_values_and_gradients(name: st
     gm = _graph(model, x)
     assert fuse_attention(gm, _ctx()) == 1
     targets = [n.target for n in gm.graph.nodes]
-    assert targets.count(F.scaled_dot_product_attention) == 1, gm.code
+    assert sum(t in SDPA_TARGETS for t in targets) == 1, gm.code
     assert not {F.softmax, torch.softmax, "softmax"} & set(targets), gm.code
     params = [model.w, model.temperature]
     # Dynamo's graph takes the parameters as inputs, in the order its placeholders name them
@@ -184,7 +193,7 @@ def test_form_is_fused_into_one_sdpa_with_the_same_values_and_gradients(name: st
     want, got = _grads(model, x, params), _grads(fused, x, params)
     for i, (a, b) in enumerate(zip(got, want)):
         if b.abs().max() > 0:
-            assert _rel(a, b) <= TOL, (name, i, _rel(a, b))
+            assert _rel(a, b) <= ROUNDED.get(name, TOL), (name, i, _rel(a, b))
 
 
 # -- forms that are attention but cannot be fused: named, never silent ------------------------------
@@ -304,10 +313,10 @@ def _through_ring_cp(name: str) -> dict:
             "unsplit": [u for r in backend.records for u in r.unsplit]}
 
 
-@pytest.mark.parametrize("name", ["baddbmm_bias", "einsum_heads_last", "learned_temperature"])
+@pytest.mark.parametrize("name", ["baddbmm_bias", "einsum_heads_last", "learned_temperature", "softcapped"])
 def test_fused_forms_are_exact_ring_attention_on_two_ranks(ranks, name: str) -> None:
     for rank, r in enumerate(ranks.run(2, _through_ring_cp, name, timeout=240)):
-        assert max(r["errs"]) <= 1e-10 and r["rings"] == 1, (rank, r)
+        assert max(r["errs"]) <= ROUNDED.get(name, TOL) and r["rings"] == 1, (rank, r)
         assert r["fallbacks"] == [] and r["unsplit"] == [], (rank, r)
 
 

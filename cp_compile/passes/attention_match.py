@@ -9,6 +9,7 @@ Whatever the spelling, this chain is ``scaled_dot_product_attention``::
                                        x + bias, bias + x, x - bias
                                        x.masked_fill(m, -big), where(keep, x, -big), where(m, -big, x)
                                        casts; views that only regroup the leading (batch, head) dims
+                                       g(x): an elementwise function of the scores alone (tanh)
     w   = softmax(x, dim=-1)         F.softmax / torch.softmax / .softmax, any dtype
     w   = casts, inactive dropout, views of the leading dims
     out = w·v                        w @ v, matmul, bmm, einsum('..qk,..kd->..qd')
@@ -16,7 +17,9 @@ Whatever the spelling, this chain is ``scaled_dot_product_attention``::
 is ``sdpa(q·t, k, v, attn_mask=Σ aᵢ·biasᵢ (-inf where a keep mask is False), scale=s)`` with
 ``s`` the product of the numeric scales met between P and the softmax, ``t`` the product of the
 tensor scales (per query row, applied to q), and ``aᵢ`` the product of the scales met between
-bias i and the softmax (a bias added before a scale is scaled with the scores).
+bias i and the softmax (a bias added before a scale is scaled with the scores). A nonlinear
+elementwise g (soft-capping's ``c · tanh(s / c)``) makes the scale below it SDPA's and g with
+the scales above it the score function of :mod:`.score_fn` (no bias or mask may lie inside g).
 
 :func:`match_attention` returns a :class:`Match` (q, k, v as (lead.., S, D) operands, the scales,
 biases and keep masks, the leading dims the SDPA runs on) or the reason the chain is not
@@ -78,6 +81,8 @@ class Match:
     biases: List[Term] = field(default_factory=list)
     keeps: List[Term] = field(default_factory=list)
     chain: List[fx.Node] = field(default_factory=list)
+    # f of the scores, outermost op first: (scale applied after the op, the op, its scores argument)
+    score_fn: List[Tuple[float, fx.Node, fx.Node]] = field(default_factory=list)
     product_frame: Tuple[Any, ...] = ()  # the shape of q·kᵀ (q and k's leading dims)
     weights_frame: Tuple[Any, ...] = ()  # the shape of w as the product with v reads it (v's leading dims)
 
@@ -187,7 +192,21 @@ class _Walk:
             return self._bias(node)
         if is_(node, MASKED_FILL) or is_(node, WHERE):
             return self._keep(node)
-        return None, ""
+        return self._function(node)
+
+    def _function(self, node: fx.Node) -> Tuple[Optional[fx.Node], Optional[str]]:
+        """A nonlinear elementwise function of the scores alone (soft-capping's tanh): the ops below
+        it are its argument, the scale met so far is applied after it (``c · tanh(s / c)``)."""
+        from .masks.rows import is_elementwise
+
+        inputs = node.all_input_nodes
+        if len(inputs) != 1 or not is_elementwise(node) or not _from_product(inputs[0]):
+            return None, ""
+        if self.m.row_scales:
+            return None, "it applies a function to scores scaled by a tensor"
+        self.m.score_fn.append((self.mult, node, inputs[0]))
+        self.mult = 1.0
+        return inputs[0], None
 
     def _scale(self, node: fx.Node) -> Tuple[Optional[fx.Node], Optional[str]]:
         if len(node.args) != 2 or node.kwargs:
@@ -206,8 +225,8 @@ class _Walk:
             return None, "its scale is not a number or a float tensor"
         if cv.dim() and not same(cv.shape[-1], 1):
             return None, "its scale differs per key (a tensor varying along the last dim)"
-        if self.m.biases or self.m.keeps:
-            return None, "it scales the scores by a tensor after adding a bias or a mask"
+        if self.m.biases or self.m.keeps or self.m.score_fn:
+            return None, "it scales the scores by a tensor after adding a bias or a mask, or applying a function"
         if is_(node, DIV):
             return None, "it divides the scores by a tensor"
         self.m.row_scales.append(Term(c, self.frame))
@@ -227,6 +246,8 @@ class _Walk:
             return None, LEARNED_BIAS
         if self.m.row_scales:
             return None, "it adds a bias below a tensor scale"
+        if self.m.score_fn:
+            return None, "it adds a bias inside a nonlinear function of the scores"
         self.m.biases.append(Term(bias, self.frame, -self.mult if is_(node, SUB) else self.mult))
         return x, None
 
@@ -242,6 +263,8 @@ class _Walk:
         mv = tensor(mask)
         if mv is None or mv.dtype != torch.bool or not isinstance(x, fx.Node):
             return None, ""
+        if self.m.score_fn:
+            return None, "it masks the scores inside a nonlinear function of them"
         if not _masks(fill) or not (math.isinf(fill) or fill * self.mult <= MASKING_FILL):
             return None, f"its masked_fill value {fill} does not mask" if isinstance(fill, (int, float)) else ""
         self.m.keeps.append(Term(mask, self.frame, keep=keep))

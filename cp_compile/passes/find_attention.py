@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from .find_flex import drop_block_masks, is_flex, parse_flex
 from .masks.classify import classify_mask
 from .masks.views import distribute_views
 from .emitter import erase_unused
+from .op_vocab import SDPA_TARGETS
 
-SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
 
 def is_sdpa(node: fx.Node) -> bool:

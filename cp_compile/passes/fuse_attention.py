@@ -51,6 +51,7 @@ from .attention_match import Match, Operand, Term, is_softmax, match_attention
 from .op_vocab import arg as _arg, is_ as _is, same as _same, tensor as _tensor
 from .context import RewriteContext, log, source_line
 from .fake_emit import FakeEmitter
+from .score_fn import build_score_fn, scaled_dot_product_attention_with_scores
 
 
 UNFUSED = "cp_unfused"  # node.meta key on a softmax whose matched attention could not be emitted: why
@@ -216,8 +217,12 @@ def _emit(em: FakeEmitter, m: Match, causal: bool) -> fx.Node:
     dtype = _tensor(q).dtype
     if mask is not None and _tensor(mask).dtype not in (torch.bool, dtype):
         mask = em.method("to", mask, dtype)
-    out = em.fn(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal,
-                scale=float(m.scale))
+    if m.score_fn:  # f(scores) before the softmax: the same call with f (score_fn.py)
+        out = em.fn(scaled_dot_product_attention_with_scores, q, k, v, attn_mask=mask, dropout_p=0.0,
+                    is_causal=causal, scale=float(m.scale), score_fn=_module(em, build_score_fn(m.score_fn)))
+    else:
+        out = em.fn(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal,
+                    scale=float(m.scale))
     wlead = m.weights_frame[:-2]
     if not (len(wlead) == len(lead) and all(_same(a, b) for a, b in zip(wlead, lead))):
         out = em.method("reshape", out, *_shape(em, out, wlead))
@@ -226,6 +231,18 @@ def _emit(em: FakeEmitter, m: Match, causal: bool) -> fx.Node:
     if _tensor(out).shape != _tensor(m.out).shape:
         raise RuntimeError(f"shape {tuple(_tensor(out).shape)} != {tuple(_tensor(m.out).shape)}")
     return out
+
+
+def _module(em: FakeEmitter, fn: fx.GraphModule) -> fx.Node:
+    """A ``get_attr`` of ``fn``, registered on the graph's module (its value: ``fn`` itself)."""
+    owner = em.graph.owning_module
+    name = next(f"_cp_score_fn_{i}" for i in range(1 << 20) if not hasattr(owner, f"_cp_score_fn_{i}"))
+    owner.add_submodule(name, fn)
+    with em.graph.inserting_before(em.anchor):
+        node = em.graph.get_attr(name)
+    node.meta["example_value"] = fn
+    em.created.append(node)
+    return node
 
 
 def _replace(graph: fx.Graph, m: Match) -> bool:

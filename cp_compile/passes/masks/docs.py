@@ -38,13 +38,13 @@ import torch.fx as fx
 
 from ..context import CPRewriteError, fake_value, global_shape, source_line
 from ..layouts import Sharded
+from ..op_vocab import SDPA_TARGETS
 from .index import INDEX_HANDLERS, Affine, Unrecognised, basic_index
 
 _EQ = {operator.eq, torch.eq, "eq"}
 _KEEP_IDS = ("to", "contiguous", "long", "int")  # methods that keep integer ids' values
 _KEEP_MASK = ("to", "contiguous", "bool", "expand")  # methods that keep a boolean mask (dims right-aligned)
 Q_DIM, KV_DIM, BATCH_DIM = -2, -1, -4  # of the (B, H, S, S) mask attention broadcasts a term to
-SDPA_TARGETS = {torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
 
 def whole(x: torch.Tensor) -> torch.Tensor:

@@ -239,9 +239,20 @@ def rules_score(rules: Tuple[Tuple[fx.GraphModule, int], ...], score, b, h, q, k
     return functools.reduce(operator.add, (v.to(score.dtype) for v in _bodies(rules, b, h, q, kv, leaves)), score)
 
 
-def as_mod(kind: str, rules: Tuple[Rule, ...], sdpa: fx.Node) -> Any:
-    """The mask_mod (``kind`` "mask") or score_mod ("score") of ``rules``, named for the record."""
-    fn = functools.partial(rules_mask if kind == "mask" else rules_score, tuple((r.body, len(r.leaves)) for r in rules))
+def function_then_rules(score_fn: Any, rules: Tuple[Tuple[fx.GraphModule, int], ...], score, b, h, q, kv,
+                        *leaves) -> torch.Tensor:
+    """score_mod: ``score_fn`` of the score (soft-capping, :mod:`..score_fn`), then the lifted terms."""
+    return rules_score(rules, score_fn(score), b, h, q, kv, *leaves)
+
+
+def as_mod(kind: str, rules: Tuple[Rule, ...], sdpa: fx.Node, score_fn: Any = None) -> Any:
+    """The mask_mod (``kind`` "mask") or score_mod ("score") of ``rules``, named for the record; a
+    score_mod applies ``score_fn`` to the score first, when given."""
+    bodies = tuple((r.body, len(r.leaves)) for r in rules)
+    if kind == "score" and score_fn is not None:
+        fn = functools.partial(function_then_rules, score_fn, bodies)
+    else:
+        fn = functools.partial(rules_mask if kind == "mask" else rules_score, bodies)
     where = ":".join(source_line(sdpa).split(":")[:2]).rsplit("/", 1)[-1]
     fn.__name__ = f"lifted from the attn_mask at {where}"
     return fn
@@ -298,19 +309,22 @@ def additive_parts(mask: fx.Node, new_node) -> Optional[Tuple[List[fx.Node], Lis
     return keeps, adds
 
 
-__all__ = ["Rule", "additive_parts", "as_mod", "lift_term", "rules_mask", "rules_score"]
+__all__ = ["Rule", "additive_parts", "as_mod", "function_then_rules", "lift_term", "rules_mask", "rules_score"]
 
 
 # -- the rewrite: the ring op's mods and buffers ------------------------------------------------
-def ring_mods(em: Any, rules: Tuple[Rule, ...], scores: Tuple[Rule, ...], sdpa: fx.Node) -> Dict[str, Any]:
+def ring_mods(em: Any, rules: Tuple[Rule, ...], scores: Tuple[Rule, ...], sdpa: fx.Node,
+              score_fn: Any = None) -> Dict[str, Any]:
     """The ring op's ``mods`` / ``mask_buffers`` / ``score_buffers`` for the lifted terms of ``sdpa``'s
-    mask: each leaf whole (gathered if the rewrite split it: O(S)), reshaped to (B|1, H|1, S|1, S|1)."""
+    mask, and its function of the scores (``score_fn``): each leaf whole (gathered if the rewrite
+    split it: O(S)), reshaped to (B|1, H|1, S|1, S|1)."""
     from ...ring.mods import register_mods
 
-    if not rules and not scores:
+    if not rules and not scores and score_fn is None:
         return {}
     key = register_mods(mask_mod=as_mod("mask", rules, sdpa) if rules else None,
-                        score_mod=as_mod("score", scores, sdpa) if scores else None)
+                        score_mod=as_mod("score", scores, sdpa, score_fn) if scores or score_fn is not None
+                        else None)
     out: Dict[str, Any] = {"mods": key}
     for name, group in (("mask_buffers", rules), ("score_buffers", scores)):
         if group:

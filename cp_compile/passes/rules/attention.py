@@ -85,8 +85,10 @@ def sdpa(em, node: fx.Node):
         masks["attn_mask"] = explicit_mask(em, kind.explicit, node)
     if kind is not None and kind.doc_ids is not None:
         masks["doc_ids"] = doc_ids_value(em, kind.doc_ids, node)  # (B|1, S) whole, on every rank
-    if kind is not None:  # terms that are rules of positions: mask_mod / score_mod, O(S) leaves (masks/lift.py)
-        masks.update(ring_mods(em, kind.rules, kind.scores, node))
+    score_fn = node.kwargs.get("score_fn")  # f(scores) before the mask terms (passes/score_fn.py)
+    score_fn = getattr(em.gm, score_fn.target) if isinstance(score_fn, fx.Node) else None
+    if kind is not None or score_fn is not None:  # rules of positions: mask_mod / score_mod, O(S) leaves (lift.py)
+        masks.update(ring_mods(em, kind.rules if kind else (), kind.scores if kind else (), node, score_fn))
     scale = sdpa_arg(node, 6, "scale")
     if scale is None:
         scale = 1.0 / math.sqrt(global_shape(q)[-1])
