@@ -19,6 +19,9 @@ forward/backward graphs where Inductor can schedule them.
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 from .ring.masking import additive_mask
@@ -58,14 +61,26 @@ class _GradAllReduceBucket(torch.autograd.Function):
     def forward(ctx, group_name: str, *xs: Tensor):
         ctx.group_name = group_name
         ctx.shapes = [x.shape for x in xs]
+        ctx.set_materialize_grads(False)  # a member nothing reads gets no gradient, as in one process
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for the whole bucket
+    def backward(ctx, *grads: Optional[Tensor]):
+        # one collective for the whole bucket; a member without a gradient sends zeros and gets None
+        flat = torch.cat([(g if g is not None else torch.zeros(shape, dtype=_dtype(grads), device=_device(grads)))
+                          .reshape(-1) for g, shape in zip(grads, ctx.shapes)])
         summed = _all_reduce(flat, ctx.group_name)
-        sizes = [g.numel() for g in grads]
-        return (None, *(part.view(shape) for part, shape in zip(summed.split(sizes), ctx.shapes)))
+        sizes = [math.prod(shape) for shape in ctx.shapes]
+        parts = [part.view(shape) for part, shape in zip(summed.split(sizes), ctx.shapes)]
+        return (None, *(p if g is not None else None for p, g in zip(parts, grads)))
+
+
+def _dtype(grads: tuple) -> torch.dtype:
+    return next(g.dtype for g in grads if g is not None)
+
+
+def _device(grads: tuple) -> torch.device:
+    return next(g.device for g in grads if g is not None)
 
 
 class _GradScale(torch.autograd.Function):

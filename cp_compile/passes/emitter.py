@@ -13,7 +13,6 @@ imports the rules.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -23,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, fake_value, global_shape, log, source_line
 from .layouts import GLOBAL, Layout, Local, Sharded
+from .op_vocab import writes_in_place
 from .seqindex import SeqIndex
 
 
@@ -175,10 +175,8 @@ class Emitter:
 def mutates(node: fx.Node) -> bool:
     """In-place methods/functions (``x.add_``, ``torch.relu_``) and other impure calls (``operator.and_`` is pure)."""
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    name = getattr(node.target, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__") and node.target not in (operator.and_, operator.or_)
-    return in_place or node.is_impure()
+        return writes_in_place(node)
+    return writes_in_place(node) or node.is_impure()
 
 
 def erase_unused(graph: fx.Graph, nodes: Any) -> None:

@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from .context import CPRewriteError, fake_value, source_line
 from .emitter import erase_unused
+from .op_vocab import writes_in_place
 
 FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
 META = "cp_compile_flex"  # node.meta key of the parsed FlexSpec
@@ -256,9 +257,7 @@ def _erase_slice(graph: fx.Graph, roots: List[fx.Node]) -> None:
 
 
 def _mutates(node: fx.Node) -> bool:
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return node.target is operator.setitem or (name.endswith("_") and not name.endswith("__")) \
-        or node.is_impure() and node.target not in (operator.and_, operator.or_)
+    return writes_in_place(node) or node.is_impure()
 
 
 def _writes_into(user: fx.Node, node: fx.Node) -> bool:

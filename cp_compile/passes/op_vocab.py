@@ -56,3 +56,18 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 def same(a: Any, b: Any) -> bool:
     """Whether two sizes are equal for every value of their symbols."""
     return statically_known_true(a == b)
+
+
+# operator functions that write to their first argument (``x += y``, ``x[i] = y``); ``operator.or_`` does not
+IN_PLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` writes to its first argument: ``x.add_(..)``, ``torch.relu_(x)``, ``x[i] = ..``,
+    ``x += ..`` (and not ``a | b``: ``operator.or_`` ends in ``_`` without being in place)."""
+    if getattr(node.target, "__module__", None) == "_operator":
+        return node.target in IN_PLACE_OPERATORS
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")

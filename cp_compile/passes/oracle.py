@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .context import fake_value, global_shape, log
 from .layouts import Sharded
+from .op_vocab import writes_in_place
 from .oracle_aten import hint as _hint
 from .oracle_aten import propagate, trace
 
@@ -133,8 +134,9 @@ def _structure(node: fx.Node, dims: Optional[List[Optional[int]]] = None) -> Any
 
 
 def _in_place(node: fx.Node) -> bool:
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
+    """In place on a value the oracle might index by position (a copy would be written). Python's
+    augmented operators (``x /= y``) are not: Dynamo rebinds ``x`` to their result."""
+    return writes_in_place(node) and getattr(node.target, "__module__", None) != "_operator"
 
 
 def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:

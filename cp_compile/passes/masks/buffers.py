@@ -60,14 +60,12 @@ from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, static
 
 from ..context import fake_value, log, source_line
 from ..graph_inputs import is_parameter_like, user_name
+from ..op_vocab import IN_PLACE_OPERATORS, writes_in_place
 from .rows import is_elementwise
 
 MAX_ELEMENTS = 1 << 24  # an intermediate may be this large even when the state it reads is smaller
 
 _RANDOM = re.compile(r"rand|normal|bernoulli|multinomial|poisson|dropout|empty|uniform|exponential|geometric|cauchy")
-_IN_PLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                       operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
 
 
 # ops whose result may share memory with their first argument (an in-place op on it writes to the state)
@@ -226,7 +224,7 @@ def _impure(node: fx.Node) -> bool:
     """Random, in place, writing to ``out=``, or otherwise side-effecting."""
     target, name = node.target, _name(node)
     if getattr(target, "__module__", None) == "_operator":
-        return target in _IN_PLACE_OPERATORS
+        return target in IN_PLACE_OPERATORS
     if _RANDOM.search(name) or (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs:
         return True
     try:
@@ -244,7 +242,7 @@ def _private_write(node: fx.Node) -> bool:
     Whether that value shares memory with another (a view of a buffer) is checked on the
     real tensors (:func:`_unshared`)."""
     x = node.args[0] if node.args else None
-    return (isinstance(x, fx.Node) and len(x.users) == 1 and node.target not in _IN_PLACE_OPERATORS
+    return (isinstance(x, fx.Node) and len(x.users) == 1 and node.target not in IN_PLACE_OPERATORS
             and not _RANDOM.search(_name(node)) and "out" not in node.kwargs)
 
 
@@ -278,12 +276,7 @@ def _mutated(leaf: fx.Node) -> bool:
     return False
 
 
-def _writes(node: fx.Node) -> bool:
-    """In place on its first argument: ``x.add_(..)``, ``x[i] = ..``, ``x += ..``."""
-    if getattr(node.target, "__module__", None) == "_operator":
-        return node.target in _IN_PLACE_OPERATORS
-    name = _name(node)
-    return name.endswith("_") and not name.endswith("__")
+_writes = writes_in_place  # in place on its first argument: ``x.add_(..)``, ``x[i] = ..``, ``x += ..``
 
 
 def _check_size(node: fx.Node, leaves: List[fx.Node]) -> None:
