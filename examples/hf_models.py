@@ -40,6 +40,13 @@ FAMILIES: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
     "opt": ("OPTConfig", "OPTForCausalLM", {}),
 }
 
+# family -> parameters (name suffixes) whose gradient is zero in exact arithmetic (examples/_exact.py):
+# a key projection's bias where nothing rotates the keys (OPT's learned positions are added to the
+# embeddings): q . b_k shifts a whole row of scores, which softmax ignores. Not Qwen2's or Phi's
+# k_proj.bias, which (partial) RoPE rotates by key position; not a fused QKV bias (GPT-2, GPT-NeoX),
+# whose query and value parts are not zero. Checked in fp64: these have ||g|| ~1e-19 of the whole.
+ZERO_GRADS: Dict[str, Tuple[str, ...]] = {"opt": ("k_proj.bias",)}
+
 _TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)

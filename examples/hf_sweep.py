@@ -10,9 +10,10 @@ reference), the other is compiled unchanged with
 get ``model(input_ids, attention_mask, labels)`` with the labels unshifted (the model
 shifts them), and ``attention_mask`` holding 9 tokens of padding in row 0 on the given
 side (``none``: no attention_mask argument at all). Rank 0 prints one table row per
-case: the relative error of the loss, of the worst parameter gradient and of the
-logits of real tokens, how many ops gathered the sequence, and what each attention
-mask became (``causal``/``full``, ``w=W`` a sliding window, ``+mask`` an explicit mask).
+case: the relative error of the loss, of the worst parameter gradient (examples/_exact.py:
+each relative to its own norm but those ``hf_models.ZERO_GRADS`` names) and of the logits of
+real tokens, how many ops gathered the sequence, and what each attention mask became
+(``causal``/``full``, ``w=W`` a sliding window, ``+mask`` an explicit mask).
 A case that raises prints the first line of the error instead.
 
 This is the sweep behind the families list in the README; ``tests/test_hf_models.py``
@@ -30,15 +31,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_models  # noqa: E402
+from _exact import grad_errors, rel  # noqa: E402
 
 import cp_compile  # noqa: E402
 
 PAD = 9  # padding tokens in row 0 of the batch
 OVERRIDES = {"mistral": {"use_cache": False}, "gemma3": {"use_cache": False}}  # the window-16 families
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
-    return ((a.double() - b.double()).norm() / max(b.double().norm().item(), floor)).item()
 
 
 def _batch(seq_len: int, padding: str) -> dict:
@@ -76,12 +74,10 @@ def run_case(family: str, seq_len: int, padding: str) -> dict:
     with torch._dynamo.config.patch(specialize_float=True):
         out = torch.compile(cp_model, backend=backend, fullgraph=True)(**batch)
     out.loss.backward()
-    refs = dict(ref_model.named_parameters())
-    floor = 1e-3 * max(p.grad.double().norm().item() for p in refs.values())  # zero-in-exact-arithmetic grads
-    grad = max(_rel(p.grad, refs[n].grad, floor) for n, p in cp_model.named_parameters())
+    grad = max(grad_errors(cp_model, ref_model, hf_models.ZERO_GRADS.get(family, ())).values())
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()[..., None]
-    return {"loss": _rel(out.loss.detach(), ref.loss.detach()), "grad": grad,
-            "logits": _rel(out.logits.detach() * real, ref.logits.detach() * real),
+    return {"loss": rel(out.loss.detach(), ref.loss.detach()), "grad": grad,
+            "logits": rel(out.logits.detach() * real, ref.logits.detach() * real),
             "fallbacks": len(backend.fallbacks), "rings": _rings(backend)}
 
 

@@ -6,10 +6,10 @@
 Each rank runs :func:`zoo.measure.measure` for each member (the checks of tests/test_zoo.py:
 the model compiled unchanged with ``RingCP(inner="aot_eager")`` against the eager one-process
 run on the whole sequence). Rank 0 prints one markdown row per member: the relative error of
-the loss and of the worst parameter gradient, attention found / ring ops made, the gather
-fallbacks (ops computed on the gathered sequence) and the sharded fraction of activation
-bytes (worst over ranks), and whether a second call ran attention outside the ring or built a
-tensor spanning the sequence twice. A member that raises prints its first error line.
+the loss and of the worst parameter gradient, ring ops made / attention calls of the eager
+run, the gather fallbacks (ops computed on the gathered sequence) and the sharded fraction of
+activation bytes (worst over ranks), and whether a second call ran attention outside the ring
+or built a tensor spanning the sequence twice. A member that raises prints its first error line.
 Run it at 2 and 4 ranks for the README's zoo table.
 """
 

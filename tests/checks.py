@@ -4,6 +4,11 @@
 memory layout (strides), since code after a graph break may ``view`` an output. And
 ``cp-compile explain`` promises what the runtime does: :func:`explain_record` is the
 record explain prints, to compare with the backend's ``RingCP.records``.
+
+Exactness is two checks, since a graph compiled unchanged is exact too: every parameter
+gradient against the one-process run (:func:`grad_errors`), and every attention of the model,
+counted without the code under test (:class:`AttentionCount`), became the ring
+(:func:`ring_mismatches`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,12 @@ from typing import Any, Iterator, List
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+# What exact means (examples/_exact.py, in examples/ so that examples/zoo/measure.py and
+# examples/hf_sweep.py judge by the same rules; re-exported here for the tests): every gradient
+# against its own norm, only those named as zero in exact arithmetic against 1e-4 of the whole
+# gradient's norm; and every attention of the eager run became the ring.
+from _exact import AttentionCount, grad_errors, rel, ring_mismatches  # noqa: F401 (re-exported)
 
 
 def layout_mismatches(out: Any, ref: Any) -> List[str]:
@@ -49,19 +60,22 @@ def explain_record(model: torch.nn.Module, args: tuple = (), kwargs: Any = None,
 def loss_through_ring_cp(ref_model: torch.nn.Module, cp_model: torch.nn.Module, inputs: tuple, **options: Any):
     """On a rank: forward + backward of the scalar loss of ``ref_model`` (eager, whole sequence)
     and of ``cp_model`` (an identical copy) through ring_cp (``inner="aot_eager"``,
-    ``fullgraph=True``), after checking that explain's record is the one the runtime keeps.
+    ``fullgraph=True``), after checking that explain's record is the one the runtime keeps and
+    that every attention of the eager run (:class:`AttentionCount`) became the ring.
     Returns ``(ref_loss, cp_loss, backend)``."""
     import torch.distributed as dist
 
     import cp_compile
 
     explained = explain_record(ref_model, inputs, world_size=dist.get_world_size(), **options)
-    ref = ref_model(*inputs)
+    with AttentionCount() as count:
+        ref = ref_model(*inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager", **options)
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
     out.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
+    assert not (rings := ring_mismatches(backend, count.calls)), rings
     return ref, out, backend
 
 

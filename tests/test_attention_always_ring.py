@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import loss_through_ring_cp
+from checks import grad_errors, loss_through_ring_cp, rel
 
 TOL = 1e-5
 
@@ -62,17 +62,13 @@ def _vit(seq_len: int):
     return model, (torch.randn(2, seq_len - 1, 12, generator=g), torch.randint(0, 10, (2,), generator=g))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _compare(seq_len: int) -> dict:
     (ref_model, inputs), (cp_model, _) = _vit(seq_len), _vit(seq_len)
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     targets = [n.target for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
     return {
-        "loss": _rel(out.detach(), ref.detach()),
-        "grad": max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())),
+        "loss": rel(out.detach(), ref.detach()),
+        "grad": max(grad_errors(cp_model, ref_model).values()),
         "rings": sum(t is torch.ops.cp_compile.ring_attention_fwd.default for t in targets),
         "sdpa": sum(t is F.scaled_dot_product_attention for t in targets),
         "fallbacks": len(backend.fallbacks),

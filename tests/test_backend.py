@@ -21,20 +21,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from checks import explain_record, loss_through_ring_cp  # noqa: E402
+from checks import AttentionCount, explain_record, grad_errors, loss_through_ring_cp, rel, ring_mismatches  # noqa: E402
 from cp_compile.passes.context import CPRewriteError  # noqa: E402
 
 TOL = 1e-5
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _errors(ref_model, ref, cp_model, out) -> tuple:
     """(loss rel err, max parameter-gradient rel err) of the CP run against the reference."""
-    grad_err = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return _rel(out.detach(), ref.detach()), grad_err
+    return rel(out.detach(), ref.detach()), max(grad_errors(cp_model, ref_model).values())
 
 
 def _compare(factory: str, kw: dict, options: dict):
@@ -146,22 +141,22 @@ def _grad_sync_none():
     ref_model, inputs = models.llama_factory()
     cp_model, _ = models.llama_factory()
     explained = explain_record(ref_model, inputs, world_size=dist.get_world_size(), grad_sync="none")
-    ref_model(*inputs).backward()
+    with AttentionCount() as count:
+        ref = ref_model(*inputs)
+    ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager", grad_sync="none")
     torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs).backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    errs = []
-    for (name, p), (_, p_ref) in zip(cp_model.named_parameters(), ref_model.named_parameters()):
-        share = _rel(p.grad, p_ref.grad)  # a share only: must differ from the full gradient
+    shares = grad_errors(cp_model, ref_model)  # a share only: must differ from the full gradient
+    for p in cp_model.parameters():
         dist.all_reduce(p.grad)  # what DDP/FSDP would do over the CP ranks
-        errs.append((share, _rel(p.grad, p_ref.grad)))
-    return errs
+    return shares, grad_errors(cp_model, ref_model), ring_mismatches(backend, count.calls)
 
 
 def test_grad_sync_none_leaves_shares_that_sum_to_the_gradient(ranks):
-    for errs in ranks.run(2, _grad_sync_none):
-        assert max(after for _, after in errs) <= TOL
-        assert max(share for share, _ in errs) > 1e-2  # the backend really left the sum out
+    for shares, summed, rings in ranks.run(2, _grad_sync_none):
+        assert max(summed.values()) <= TOL and not rings, (summed, rings)
+        assert max(shares.values()) > 1e-2  # the backend really left the sum out
 
 
 def _train(steps: int):
@@ -174,6 +169,8 @@ def _train(steps: int):
     opt_ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     opt_cp = torch.optim.AdamW(cp_model.parameters(), lr=1e-2)
     losses = []
+    with torch.no_grad(), AttentionCount() as count:  # the attention calls of one forward
+        ref_model(*inputs)
     for _ in range(steps):
         for model, opt in ((ref_model, opt_ref), (compiled, opt_cp)):
             loss = model(*inputs)
@@ -182,15 +179,15 @@ def _train(steps: int):
             opt.zero_grad()
             losses.append(loss.item())
     assert backend.records == [explained], (backend.records, explained)  # one graph, the one explain shows
-    param_err = max(_rel(p, q) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return losses[0::2], losses[1::2], param_err
+    param_err = max(rel(p, q) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    return losses[0::2], losses[1::2], param_err, ring_mismatches(backend, count.calls)
 
 
 def test_twenty_adamw_steps_track_single_device(ranks):
-    for ref, cp, param_err in ranks.run(2, _train, 20):
+    for ref, cp, param_err, rings in ranks.run(2, _train, 20):
         assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref, cp)), list(zip(ref, cp))
         assert ref[-1] < ref[0]  # it did train
-        assert param_err <= 1e-4
+        assert param_err <= 1e-4 and not rings, (param_err, rings)
 
 
 def test_without_process_group_the_backend_is_a_passthrough():
@@ -227,6 +224,8 @@ def _graph_break():
     ids, pos = inputs[0], torch.arange(inputs[0].shape[1])
     layer_inputs = (ref_model.tok_emb(ids), ref_model.rope_cos[pos], ref_model.rope_sin[pos])  # what a layer takes
     explained = explain_record(ref_model.layers[0], layer_inputs, world_size=dist.get_world_size())
+    with AttentionCount() as count:  # of one layer: the frame compiled once and reused by every layer
+        ref_model.layers[0](*layer_inputs)
     ref = ref_model(*inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
@@ -234,7 +233,8 @@ def _graph_break():
     out.backward()
     assert [r for r in backend.records if r.attention] == [explained], (backend.records, explained)
     assert all(r.rings == 0 for r in backend.records if not r.attention), backend.records
-    return (*_errors(ref_model, ref, cp_model, out), len(backend.graphs), len(backend.no_attention))
+    return (*_errors(ref_model, ref, cp_model, out), len(backend.graphs), len(backend.no_attention),
+            ring_mismatches(backend, count.calls))
 
 
 def test_graph_break_between_layers_stays_exact(ranks):
@@ -243,9 +243,9 @@ def test_graph_break_between_layers_stays_exact(ranks):
     A break inside the layer loop makes Dynamo skip the model's forward frame: each layer's
     frame is compiled on its own (one graph, rewritten once and reused by every layer), and
     the head and loss after the loop make a graph without attention."""
-    for loss_err, grad_err, rewritten, plain in ranks.run(2, _graph_break):
+    for loss_err, grad_err, rewritten, plain, rings in ranks.run(2, _graph_break):
         assert rewritten >= 1 and rewritten + plain >= 2, (rewritten, plain)  # the break really split the model
-        assert loss_err <= TOL and grad_err <= TOL
+        assert loss_err <= TOL and grad_err <= TOL and not rings, (loss_err, grad_err, rings)
 
 
 @pytest.mark.parametrize(
@@ -270,18 +270,19 @@ def _padded_all_labels_valid(seq_len: int):
     cp_model, _ = models.llama_factory(seq_len=seq_len)
     labels = torch.roll(ids, -1, dims=1)
     explained = explain_record(ref_model, (ids, labels), world_size=dist.get_world_size())
-    ref = ref_model(ids, labels)
+    with AttentionCount() as count:
+        ref = ref_model(ids, labels)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(ids, labels)
     out.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    return _errors(ref_model, ref, cp_model, out)
+    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
 def test_padding_rows_never_count_in_the_loss(ranks):
-    for loss_err, grad_err in ranks.run(2, _padded_all_labels_valid, 62):
-        assert loss_err <= TOL and grad_err <= TOL
+    for loss_err, grad_err, rings in ranks.run(2, _padded_all_labels_valid, 62):
+        assert loss_err <= TOL and grad_err <= TOL and not rings, (loss_err, grad_err, rings)
 
 
 def _meta_shapes():
@@ -370,11 +371,13 @@ def _random_global(training: bool):
     except Exception as e:  # Dynamo wraps backend errors
         return f"{type(e).__name__}: {e}"
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    return _rel(out.detach(), model(x).detach())
+    with AttentionCount() as count:
+        ref = model(x)
+    return rel(out.detach(), ref.detach()), ring_mismatches(backend, count.calls)
 
 
 def test_random_ops_on_whole_sequence_values_are_refused(ranks):
     for msg in ranks.run(2, _random_global, True):
         assert isinstance(msg, str) and "dropout" in msg and "test_backend.py" in msg and "eval mode" in msg, msg
-    for err in ranks.run(2, _random_global, False):  # eval mode: dropout is the identity, fine
-        assert isinstance(err, float) and err <= TOL, err
+    for res in ranks.run(2, _random_global, False):  # eval mode: dropout is the identity, fine
+        assert isinstance(res, tuple) and res[0] <= TOL and not res[1], res

@@ -18,33 +18,33 @@ import torch.distributed as dist
 
 import cp_compile
 import models
-from checks import explain_record, layout_mismatches
-from test_backend import _errors, _rel  # the same error measures as the static-shape tests
+from checks import AttentionCount, explain_record, layout_mismatches, rel, ring_mismatches
+from test_backend import _errors  # the same error measures as the static-shape tests
 
 TOL = 1e-5
-
-
 
 
 def _outputs(mode: str, dynamic):
     torch._dynamo.reset()
     model, (ids, _labels) = models.llama_factory()
-    ref = model(ids).detach()
+    with AttentionCount() as count:
+        ref = model(ids).detach()
     explained = explain_record(model, (ids,), world_size=dist.get_world_size(), dynamic=bool(dynamic), outputs=mode)
     backend = cp_compile.RingCP(inner="aot_eager", outputs=mode)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
     out = compiled(ids)
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     want = ref if mode == "full" else cp_compile.shard(ref, 1)
-    return _rel(out.detach(), want), tuple(out.shape), layout_mismatches(out, want)
+    return (rel(out.detach(), want), tuple(out.shape), layout_mismatches(out, want),
+            ring_mismatches(backend, count.calls))
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("mode", ["full", "local"])
 def test_outputs_full_and_local(ranks, mode, dynamic):
     """Values, shapes and strides: the gathered logits are laid out as the uncompiled model's."""
-    for rank, (err, shape, mismatches) in enumerate(ranks.run(2, _outputs, mode, dynamic)):
-        assert err <= TOL, (rank, err)
+    for rank, (err, shape, mismatches, rings) in enumerate(ranks.run(2, _outputs, mode, dynamic)):
+        assert err <= TOL and not rings, (rank, err, rings)
         assert shape == ((2, 64, 256) if mode == "full" else (2, 32, 256))
         assert not mismatches, (rank, mismatches)
 
@@ -67,11 +67,13 @@ def _lengths(dynamic):
     for seq_len in LENGTHS:
         _, inputs = models.llama_factory(seq_len=seq_len, seed=seq_len)
         try:
-            errs.append(_rel(compiled(*inputs).detach(), ref_model(*inputs).detach()))
+            with AttentionCount() as count:
+                ref = ref_model(*inputs)
+            errs.append(rel(compiled(*inputs).detach(), ref.detach()))
         except Exception as e:  # Dynamo wraps backend errors
             return f"{type(e).__name__}: {e}"
     assert backend.records == explained, (backend.records, explained)  # each graph: explain at its length
-    return errs, len(backend.graphs)
+    return errs, len(backend.graphs), ring_mismatches(backend, count.calls, compiles=len(GRAPHS[dynamic]))
 
 
 @pytest.mark.parametrize("dynamic", [False, None, True], ids=["static", "automatic", "dynamic"])
@@ -81,8 +83,8 @@ def test_changing_sequence_lengths_stay_exact(ranks, dynamic):
     padding at N=2 and two do not, so one symbolic graph must serve both kinds."""
     for res in ranks.run(2, _lengths, dynamic):
         assert isinstance(res, tuple), res
-        errs, n_graphs = res
-        assert max(errs) <= TOL, errs
+        errs, n_graphs, rings = res
+        assert max(errs) <= TOL and not rings, (errs, rings)  # every graph compiled: all its attention the ring
         if dynamic is False:
             assert n_graphs == 4, n_graphs
         else:  # a symbolic graph served several lengths, padded and unpadded
@@ -94,13 +96,14 @@ def _compare_dynamic(factory: str, kw: dict):
     ref_model, inputs = getattr(models, factory)(**kw)
     cp_model, _ = getattr(models, factory)(**kw)
     explained = explain_record(ref_model, inputs, world_size=dist.get_world_size(), dynamic=True)
-    ref = ref_model(*inputs)
+    with AttentionCount() as count:
+        ref = ref_model(*inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
     out = torch.compile(cp_model, backend=backend, dynamic=True)(*inputs)
     out.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    return _errors(ref_model, ref, cp_model, out)
+    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
 @pytest.mark.parametrize(
@@ -110,8 +113,8 @@ def _compare_dynamic(factory: str, kw: dict):
 )
 def test_dynamic_shapes_on_other_models(ranks, factory, kw):
     """Symbolic S through absolute positions, non-causal padding masks, a label shift inside the model."""
-    for loss_err, grad_err in ranks.run(2, _compare_dynamic, factory, kw):
-        assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
+    for loss_err, grad_err, rings in ranks.run(2, _compare_dynamic, factory, kw):
+        assert loss_err <= TOL and grad_err <= TOL and not rings, (loss_err, grad_err, rings)
 
 
 def _local_inputs(dynamic):
@@ -123,7 +126,8 @@ def _local_inputs(dynamic):
     # static shapes: the backend refuses inputs="local" (the test checks the error), so nothing to compare
     explained = explain_record(ref_model, local, world_size=dist.get_world_size(), dynamic=True,
                                inputs="local") if dynamic else None
-    ref = ref_model(ids, labels)
+    with AttentionCount() as count:
+        ref = ref_model(ids, labels)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager", inputs="local")
     try:
@@ -132,13 +136,13 @@ def _local_inputs(dynamic):
         return f"{type(e).__name__}: {e}"
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     out.backward()
-    return _errors(ref_model, ref, cp_model, out)
+    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
 def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
     for res in ranks.run(2, _local_inputs, True):
         assert isinstance(res, tuple), res
-        assert res[0] <= TOL and res[1] <= TOL, res
+        assert res[0] <= TOL and res[1] <= TOL and not res[2], res
 
 
 def test_local_inputs_with_static_shapes_name_the_fix(ranks):

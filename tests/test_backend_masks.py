@@ -4,7 +4,8 @@ A mask is split (cp_compile/passes/masks/classify.py) into what the ring op does
 (causal, full, a causal sliding window) and explicit terms, of which each rank builds
 only its own query rows (passes/masks/rows.py). Each case compiles a model unchanged and
 compares, on 2 gloo ranks, its loss and every parameter gradient with the same model
-run eagerly in one process on the full sequence (fp32, relative error <= 1e-5):
+run eagerly in one process on the full sequence (fp32, relative error <= 1e-5), and
+checks that every attention of that run became the ring:
 
 - masks written in the model: a key-padding mask from a model input (Hugging Face's
   form), a band with no upper bound, a 0/1 float mask, a mask passed in as a bool or an
@@ -25,14 +26,10 @@ import torch.nn.functional as F
 import hf_models
 
 import cp_compile
-from checks import explain_record, layout_mismatches
+from checks import AttentionCount, explain_record, grad_errors, layout_mismatches, rel, ring_mismatches
 
 TOL = 1e-5
 B, D = 2, 16
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 class MaskedAttention(torch.nn.Module):
@@ -95,17 +92,22 @@ def _rank_masked(kind: str, S: int, dynamic: bool = False) -> dict:
         inputs = _inputs(kind, length)
         for m in (ref_model, cp_model):
             m.zero_grad(set_to_none=True)
-        ref = ref_model(**inputs)
+        with AttentionCount() as count:
+            ref = ref_model(**inputs)
         ref.backward()
         loss = compiled(**inputs)
         loss.backward()
-        refs = dict(ref_model.named_parameters())
-        grad_err = max([grad_err] + [_rel(p.grad, refs[n].grad) for n, p in cp_model.named_parameters()])
-        loss_err = max(loss_err, _rel(loss.detach(), ref.detach()))
+        grad_err = max([grad_err, *grad_errors(cp_model, ref_model).values()])
+        loss_err = max(loss_err, rel(loss.detach(), ref.detach()))
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
     return {"loss": loss_err, "grad": grad_err, "fallbacks": len(backend.fallbacks), "graphs": len(backend.graphs),
-            "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}
+            "rings": _rings(backend), "ring_mismatches": ring_mismatches(backend, count.calls)}
+
+
+def _rings(backend: cp_compile.RingCP) -> list:
+    """The (causal, window, explicit mask given) of every ring op of the rewritten graphs."""
+    rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
+    return [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]
 
 
 # kind, S, the ring op's (causal, window, explicit mask) for it
@@ -124,7 +126,7 @@ MODEL_CASES = [
 def test_masks_in_the_model_are_exact(ranks, kind: str, S: int, ring: tuple) -> None:
     for rank, r in enumerate(ranks.run(2, _rank_masked, kind, S, timeout=120)):
         assert r["loss"] <= TOL and r["grad"] <= TOL, (rank, r)
-        assert r["fallbacks"] == 0 and r["rings"] == [ring, ring], (rank, r)
+        assert r["fallbacks"] == 0 and r["rings"] == [ring, ring] and not r["ring_mismatches"], (rank, r)
 
 
 def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
@@ -139,24 +141,21 @@ def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
     kwargs = {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
     with torch._dynamo.config.patch(specialize_float=True):  # as in tests/test_hf_models.py
         explained = explain_record(ref_model, (), kwargs, world_size=2)
-    ref = ref_model(**kwargs)
+    with AttentionCount() as count:
+        ref = ref_model(**kwargs)
     ref.loss.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
     with torch._dynamo.config.patch(specialize_float=True):
         out = torch.compile(cp_model, backend=backend, fullgraph=True)(**kwargs)
     out.loss.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    refs = dict(ref_model.named_parameters())
-    floor = 1e-3 * max(p.grad.double().norm().item() for p in refs.values())  # see test_hf_models._grad_errors
-    grad = max(((p.grad.double() - refs[n].grad.double()).norm() / max(refs[n].grad.double().norm(), floor)).item()
-               for n, p in cp_model.named_parameters())
+    grad = max(grad_errors(cp_model, ref_model, hf_models.ZERO_GRADS.get(family, ())).values())
     real = attention_mask.bool()[..., None]  # logits of padding tokens are not compared (no label uses them)
-    logits = _rel(out.logits.detach() * real, ref.logits.detach() * real)
-    rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
-    return {"loss": _rel(out.loss.detach(), ref.loss.detach()), "grad": grad, "logits": logits,
+    logits = rel(out.logits.detach() * real, ref.logits.detach() * real)
+    return {"loss": rel(out.loss.detach(), ref.loss.detach()), "grad": grad, "logits": logits,
             "fallbacks": len(backend.fallbacks), "finite": bool(torch.isfinite(ref.logits).all()),
-            "layout": layout_mismatches(out, ref),
-            "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}
+            "layout": layout_mismatches(out, ref), "rings": _rings(backend),
+            "ring_mismatches": ring_mismatches(backend, count.calls)}
 
 
 @pytest.mark.parametrize("family,side,overrides,window", [
@@ -170,6 +169,7 @@ def test_hf_attention_mask_with_padding_is_exact(ranks, family: str, side: str, 
         assert r["finite"], r  # the single-device reference itself is well defined
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["logits"] <= TOL, (rank, r)
         assert r["fallbacks"] == 0 and r["rings"] == [(True, window, True)] * 2, (rank, r)
+        assert not r["ring_mismatches"], (rank, r["ring_mismatches"])
         assert not r["layout"], (rank, r["layout"])  # the logits strided as the uncompiled model's
 
 
@@ -216,7 +216,7 @@ def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
     symbolic length."""
     for rank, r in enumerate(ranks.run(2, _rank_masked, kind, 32, True, timeout=180)):
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["fallbacks"] == 0, (rank, r)
-        assert r["graphs"] == 1, (rank, r)
+        assert r["graphs"] == 1 and not r["ring_mismatches"], (rank, r)
 
 
 def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) -> None:

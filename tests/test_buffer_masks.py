@@ -88,10 +88,6 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), labels.flatten())
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _batch(S: int) -> tuple:
     """(idx, labels) of length ``S``, the same on every rank."""
     g = torch.Generator().manual_seed(S)
@@ -103,7 +99,7 @@ def _case(style: str, lengths: tuple, dynamic: bool) -> dict:
     import torch.distributed as dist
 
     import cp_compile
-    from checks import explain_record
+    from checks import AttentionCount, explain_record, grad_errors, rel, ring_mismatches
 
     torch._dynamo.reset()
     ref_model, cp_model = TinyGPT(style), TinyGPT(style)
@@ -115,17 +111,18 @@ def _case(style: str, lengths: tuple, dynamic: bool) -> dict:
         idx, labels = _batch(S)
         for m in (ref_model, cp_model):
             m.zero_grad(set_to_none=True)
-        ref = ref_model(idx, labels)
+        with AttentionCount() as count:
+            ref = ref_model(idx, labels)
         ref.backward()
         loss = compiled(idx, labels)
         loss.backward()
-        refs = dict(ref_model.named_parameters())
-        grad_err = max([grad_err] + [_rel(p.grad, refs[n].grad) for n, p in cp_model.named_parameters()])
-        loss_err = max(loss_err, _rel(loss.detach(), ref.detach()))
+        grad_err = max([grad_err, *grad_errors(cp_model, ref_model).values()])
+        loss_err = max(loss_err, rel(loss.detach(), ref.detach()))
     assert backend.records == [explained], (style, backend.records, explained)  # explain says what the runtime did
     rings = [n for gm in backend.graphs for n in gm.graph.nodes if RING in str(n.target)]
     return {"loss": loss_err, "grad": grad_err, "fallbacks": list(backend.fallbacks), "graphs": len(backend.graphs),
-            "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings]}
+            "rings": [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs) for n in rings],
+            "ring_mismatches": ring_mismatches(backend, count.calls)}
 
 
 def _cases(cases: list) -> dict:
@@ -152,7 +149,7 @@ def test_buffer_masks_are_exact_and_causal_masks_are_the_flag(ranks, world: int)
         for name, r in results.items():
             assert r["loss"] <= TOL and r["grad"] <= TOL, (world, rank, name, r)
             assert r["graphs"] == 1 and r["fallbacks"] == [], (world, rank, name, r)
-            assert r["rings"] == [CASES[name][1]] * 2, (world, rank, name, r)
+            assert r["rings"] == [CASES[name][1]] * 2 and not r["ring_mismatches"], (world, rank, name, r)
 
 
 # -- one process: what the rewrite decides (cp-compile explain's trace, no process group) --------

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import models
 
 import cp_compile
-from checks import explain_record, pieces_mismatches
+from checks import explain_record, pieces_mismatches, rel, ring_mismatches
 
 DP, CP = 2, 2
 TOL = 1e-5
@@ -48,10 +48,6 @@ LR = 0.1
 # (bucket_cap_mb=1) into embedding + layer 0 attention | the rest of the layers | head + loss.
 SPLIT_MODEL = {"dim": 128, "n_layers": 3, "vocab_size": 2048, "tie_embeddings": True}
 PER_LAYER = ("fsdp_per_layer", "fsdp_dp_allreduce")  # FSDP's hooks split the graph at each layer
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _global_batch(**model_kw):
@@ -155,7 +151,9 @@ def _compose(recipe: str, model_kw: dict):
     params = {n: _full(p.detach()).clone() for n, p in named}
     loss = loss.detach().clone()
     dist.all_reduce(loss)  # each dp row's loss is on CP ranks: the mean over all ranks = over dp
-    return loss / dist.get_world_size(), grads, params, _graph_counts(backend)
+    # one attention a layer; under per-layer FSDP one compiled layer graph serves every layer
+    attentions = 1 if recipe in PER_LAYER else len(model.layers)
+    return loss / dist.get_world_size(), grads, params, _graph_counts(backend, attentions)
 
 
 def _explain(recipe: str, model, ids, labels, mesh):
@@ -185,10 +183,12 @@ def _check_records(recipe: str, records: list, explained) -> None:
         assert records == [explained], (records, explained)
 
 
-def _graph_counts(backend) -> dict:
-    """Graphs ring_cp rewrote, ring attention calls in them, and graphs without attention."""
+def _graph_counts(backend, attentions: int) -> dict:
+    """Graphs ring_cp rewrote, ring attention calls in them, graphs without attention, and what of
+    "every attention (``attentions`` in the compiled code) became the ring" fails."""
     rings = sum("ring_attention_fwd" in str(n.target) for gm in backend.graphs for n in gm.graph.nodes)
-    return {"rewritten": len(backend.graphs), "rings": rings, "plain": len(backend.no_attention)}
+    return {"rewritten": len(backend.graphs), "rings": rings, "plain": len(backend.no_attention),
+            "ring_mismatches": ring_mismatches(backend, attentions)}
 
 
 @pytest.fixture(scope="module")
@@ -204,15 +204,17 @@ def split_reference():
 
 
 def _check(per_rank: list, reference) -> None:
-    """Every rank's loss, full gradients and parameters after SGD equal the reference's."""
+    """Every rank's loss, full gradients and parameters after SGD equal the reference's, and every
+    attention became the ring."""
     ref_loss, ref_grads, ref_params = reference
-    for rank, (loss, grads, params, *_) in enumerate(per_rank):
-        assert _rel(loss, ref_loss) <= TOL, (rank, loss.item(), ref_loss.item())
+    for rank, (loss, grads, params, counts) in enumerate(per_rank):
+        assert rel(loss, ref_loss) <= TOL, (rank, loss.item(), ref_loss.item())
         assert set(grads) == set(ref_grads)
-        grad_err = {n: _rel(grads[n], ref_grads[n]) for n in ref_grads}
+        grad_err = {n: rel(grads[n], ref_grads[n]) for n in ref_grads}
         assert max(grad_err.values()) <= TOL, (rank, grad_err)
-        param_err = {n: _rel(params[n], ref_params[n]) for n in ref_params}
+        param_err = {n: rel(params[n], ref_params[n]) for n in ref_params}
         assert max(param_err.values()) <= TOL, (rank, param_err)
+        assert not counts["ring_mismatches"], (rank, counts)
 
 
 RECIPES = ["fsdp_hsdp", "fsdp_flat", "ddp", "fsdp_dp_allreduce", "ddp_dp_allreduce"]
@@ -243,7 +245,7 @@ def test_ddp_optimizer_with_grad_sync_none_equals_one_process(ranks, split_refer
     for *_, counts in per_rank:
         # three pieces, one without attention; all three attentions became the ring, so the
         # hidden states the second piece takes were split over cp (not left whole)
-        assert counts == {"rewritten": 2, "rings": 3, "plain": 1}, counts
+        assert counts == {"rewritten": 2, "rings": 3, "plain": 1, "ring_mismatches": []}, counts
     _check(per_rank, split_reference)
 
 
@@ -253,7 +255,7 @@ def test_ddp_default_mean_over_dp_x_cp_halves_the_gradient(ranks, reference):
     _, ref_grads, _ = reference
     for _, grads, *_ in ranks.run(4, _compose, "ddp_default_mean", {}, timeout=300):
         for n, g in grads.items():
-            assert _rel(g * CP, ref_grads[n]) <= TOL, n
+            assert rel(g * CP, ref_grads[n]) <= TOL, n
 
 
 def _refusal(recipe: str) -> str:
@@ -289,10 +291,10 @@ def _graph_break_shares(model_kw: dict):
                                                                backend.records)
     errs = {}
     for (name, p), (_, p_ref) in zip(cp_model.named_parameters(), ref_model.named_parameters()):
-        share = _rel(p.grad, p_ref.grad)
+        share = rel(p.grad, p_ref.grad)
         dist.all_reduce(p.grad)  # what DDP/FSDP does over the CP ranks
-        errs[name] = (share, _rel(p.grad, p_ref.grad))
-    return errs, len(backend.graphs), len(backend.no_attention)
+        errs[name] = (share, rel(p.grad, p_ref.grad))
+    return errs, len(backend.graphs), len(backend.no_attention), ring_mismatches(backend, len(cp_model.layers))
 
 
 @pytest.mark.parametrize("model_kw", [
@@ -304,8 +306,8 @@ def _graph_break_shares(model_kw: dict):
 def test_graph_breaks_with_grad_sync_none_leave_shares_that_sum_to_the_gradient(ranks, model_kw):
     """Graphs without attention run whole on every rank: their parameters' gradients are
     scaled to a 1/N share, so the sum over the CP ranks is the gradient (not N times it)."""
-    for errs, n_rewritten, n_plain in ranks.run(2, _graph_break_shares, model_kw):
-        assert n_rewritten == 1 and n_plain >= 1, (n_rewritten, n_plain)
+    for errs, n_rewritten, n_plain, rings in ranks.run(2, _graph_break_shares, model_kw):
+        assert n_rewritten == 1 and n_plain >= 1 and not rings, (n_rewritten, n_plain, rings)
         assert max(after for _, after in errs.values()) <= TOL, errs
         assert min(share for share, _ in errs.values()) > 1e-2, errs  # every gradient was left a share
 

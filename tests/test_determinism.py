@@ -26,7 +26,7 @@ import torch.distributed as dist
 import models
 
 import cp_compile
-from checks import explain_record
+from checks import explain_record, ring_mismatches
 from cp_compile.kernels import register_kernel
 from cp_compile.kernels.aten import AtenKernel
 
@@ -92,7 +92,8 @@ def test_ring_op_bitwise_identical_whatever_the_timing(ranks, world, dtype_name)
 
 
 def _model_runs():
-    """Loss and parameter gradients of three fresh compilations: plain, jitter 1, jitter 2."""
+    """Loss and parameter gradients of three fresh compilations: plain, jitter 1, jitter 2 (each
+    checked to have made every attention the ring: else bitwise equality would test nothing)."""
     runs = []
     for seed in (0, 1, 2):
         torch._dynamo.reset()
@@ -104,6 +105,7 @@ def _model_runs():
         loss = compiled(*inputs)
         loss.backward()
         assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
+        assert not (rings := ring_mismatches(backend, len(model.layers))), rings  # one attention a layer
         runs.append((loss.detach(), [p.grad for p in model.parameters()]))
     return runs
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 import flex_models
-from checks import cp_compile_warnings, explain_record
+from checks import cp_compile_warnings, explain_record, grad_errors, rel, ring_mismatches
 from cp_compile.errors import CPRewriteError
 
 # The one-process reference runs flex eagerly (its dense implementation), which torch warns about.
@@ -31,10 +31,6 @@ TOL = 1e-5
 STYLES = list(flex_models.FACTORIES)  # all at 2 ranks; at 4 (c = 8 rows a rank, 2 zig-zag halves of 4):
 FOUR_RANKS = ["document_input", "prefix_lm", "outside_mask"]  # documents / the prefix cut by chunk boundaries
 BLOCK_MASK_BUILD = ("_add_batch_dim", "_vmap_increment_nesting", "argsort")  # create_block_mask's work
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _targets(gms) -> list:
@@ -60,12 +56,14 @@ def _compare(style: str) -> dict:
         out.backward()
     targets = _targets(backend.graphs)
     return {
-        "loss": _rel(out.detach(), ref.detach()),
-        "grad": max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())),
+        "loss": rel(out.detach(), ref.detach()),
+        "grad": max(grad_errors(cp_model, ref_model).values()),
         "fallbacks": list(backend.fallbacks), "warnings": warnings,
         "record": backend.records == [explained], "rings": targets.count("ring"),
         "flex": targets.count("flex_attention"), "build": [t for t in targets if t in BLOCK_MASK_BUILD],
         "layers": len(cp_model.layers),
+        # one flex_attention a layer (eager flex compiles itself: no ATen count of the reference)
+        "ring_mismatches": ring_mismatches(backend, len(cp_model.layers)),
     }
 
 
@@ -78,6 +76,7 @@ def test_flex_model_is_exact_and_ring_only(ranks, style, world):
         assert r["loss"] <= TOL and r["grad"] <= TOL, (rank, r)
         assert r["fallbacks"] == [] and r["warnings"] == [], (rank, r)
         assert r["rings"] == r["layers"] == 2 and r["flex"] == 0 and r["build"] == [], (rank, r)
+        assert not r["ring_mismatches"], (rank, r["ring_mismatches"])
         assert r["record"], (rank, "backend.records differ from explain's record")
 
 
@@ -96,22 +95,25 @@ class _WithLse(nn.Module):
         return out, aux.lse  # (B, H, S, D), (B, H, S)
 
 
-def _lse_run() -> list:
+def _lse_run() -> tuple:
+    """(errors of the output and the lse against one process, what of "the flex_attention became
+    the ring" fails)."""
     import cp_compile
 
     torch.manual_seed(0)
     model, x = _WithLse(), torch.randn(2, 32, 8)
+    backend = cp_compile.RingCP(inner="aot_eager")
     with torch.no_grad():
         ref = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
         torch._dynamo.reset()
-        got = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)(x)
-    return [_rel(a, b) for a, b in zip(got, ref)]
+        got = torch.compile(model, backend=backend, fullgraph=True)(x)
+    return [rel(a, b) for a, b in zip(got, ref)], ring_mismatches(backend, 1)  # _WithLse: one flex_attention
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_return_lse_is_the_rings(ranks, world):
-    for rank, errors in enumerate(ranks.run(world, _lse_run, timeout=120)):
-        assert max(errors) <= TOL, (rank, errors)
+    for rank, (errors, rings) in enumerate(ranks.run(world, _lse_run, timeout=120)):
+        assert max(errors) <= TOL and not rings, (rank, errors, rings)
 
 
 # ------------------------------------------------------------------- single process

@@ -11,11 +11,12 @@ or 4) and in a single process on the full sequence, and must agree:
 * small generated models (examples/models.py: Llama with any GQA style, GPT-2, the
   encoder) with random widths, heads, depth, batch and *any* sequence length (most
   need padding), compiled with ``ring_cp`` (inner aot_eager): loss and every
-  parameter gradient within 1e-5 relative of the eager single-process run (a
-  gradient's error is relative to at least 1e-3 of the whole gradient's norm, so
-  that gradients that are exactly zero, held as rounding noise, compare sensibly),
-  and ``cp-compile explain``'s record of every one equal to the runtime's
-  (``RingCP.records``; world size 1 compiles unchanged and records nothing).
+  parameter gradient within 1e-5 relative of the eager single-process run (each
+  gradient relative to its own norm: none of these models has a gradient that is
+  zero in exact arithmetic, checked in fp64 over their configurations), every
+  attention of that run the ring, and ``cp-compile explain``'s record of every one
+  equal to the runtime's (``RingCP.records``; world size 1 compiles unchanged and
+  records nothing).
 
 Profiles (environment variable ``HYPOTHESIS_PROFILE``):
 
@@ -40,7 +41,7 @@ from hypothesis import strategies as st
 import models
 
 import cp_compile
-from checks import explain_record
+from checks import AttentionCount, explain_record, grad_errors, rel, ring_mismatches
 from test_ring_exact import _ring_fwd_bwd, assemble, make_inputs, relerr, sdpa_fwd_bwd
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
@@ -144,38 +145,25 @@ def model_cases(draw, world: int) -> dict:
     )
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _model_case_fn(case: dict):
-    """(loss rel err, max parameter-gradient rel err, #graphs rewritten) of ring_cp vs eager."""
+    """(loss rel err, max parameter-gradient rel err, #graphs rewritten, what of "every attention
+    became the ring" fails) of ring_cp vs eager."""
     make = getattr(models, case["factory"])
     kw = dict(seq_len=case["seq_len"], batch=case["batch"], seed=case["seed"], **case["cfg"])
     ref_model, inputs = make(**kw)
     cp_model, _ = make(**kw)
     world = case["world"]  # 1: no process group; explain needs a CP group of 2 or more
     explained = explain_record(ref_model, inputs, world_size=world, **case["options"]) if world > 1 else None
-    ref = ref_model(*inputs)
+    with AttentionCount() as count:
+        ref = ref_model(*inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager", **case["options"])
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
     out.backward()
     # explain says what the runtime did; a CP group of 1 compiles the graph unchanged, recording nothing
     assert backend.records == ([explained] if world > 1 else []), (backend.records, explained, case)
-    return _rel(out.detach(), ref.detach()), _grad_err(cp_model, ref_model), len(backend.graphs)
-
-
-def _grad_err(cp_model, ref_model) -> float:
-    """Max over parameters of ||g_cp - g_ref|| / max(||g_ref||, 1e-3 ||all of g_ref||).
-
-    The floor matters when a gradient is zero in exact arithmetic and both runs hold
-    rounding noise (e.g. wq/wk when every valid query attends to one key only): a
-    plain relative error would compare noise with noise."""
-    refs = [q.grad.double() for q in ref_model.parameters()]
-    floor = 1e-3 * torch.cat([g.flatten() for g in refs]).norm().item()
-    return max(((p.grad.double() - g).norm() / max(g.norm().item(), floor, 1e-30)).item()
-               for p, g in zip(cp_model.parameters(), refs))
+    rings = ring_mismatches(backend, count.calls) if world > 1 else []
+    return rel(out.detach(), ref.detach()), max(grad_errors(cp_model, ref_model).values()), len(backend.graphs), rings
 
 
 def _check_model(ranks, case: dict) -> None:
@@ -183,9 +171,10 @@ def _check_model(ranks, case: dict) -> None:
         per_rank = [_model_case_fn(case)]
     else:
         per_rank = ranks.run(case["world"], _model_case_fn, case, timeout=300)
-    for rank, (loss_err, grad_err, n_graphs) in enumerate(per_rank):
+    for rank, (loss_err, grad_err, n_graphs, rings) in enumerate(per_rank):
         assert loss_err <= FP32_RTOL and grad_err <= FP32_RTOL, (rank, loss_err, grad_err, case)
         assert n_graphs == (1 if case["world"] > 1 else 0), (rank, n_graphs, case)  # rewritten, as one graph
+        assert not rings, (rank, rings, case)  # every attention became the ring
 
 
 def _model_test(world: int):

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import cp_compile_warnings, explain_record, loss_through_ring_cp
+from checks import cp_compile_warnings, explain_record, grad_errors, loss_through_ring_cp, rel
 
 TOL = 1e-5
 
@@ -123,17 +123,13 @@ def _model(name: str, seq_len: int = 16):
 HAND_WRITTEN = {"causal": 2, "3-d": 1, "padding": 1}  # model -> attentions written by hand
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _compare(name: str) -> dict:
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     targets = [n.target for gm in backend.graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     return {
-        "loss": _rel(out.detach(), ref.detach()),
-        "grad": max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())),
+        "loss": rel(out.detach(), ref.detach()),
+        "grad": max(grad_errors(cp_model, ref_model).values()),
         "rings": sum(t is torch.ops.cp_compile.ring_attention_fwd.default for t in targets),
         "softmax": sum(t in (F.softmax, torch.softmax, "softmax") for t in targets),
         "fallbacks": list(backend.fallbacks),
@@ -186,7 +182,7 @@ def _warned(name: str) -> dict:
     # explain says what the runtime did; asked after it (its warnings, once per line, would come first)
     explained = explain_record(ref_model, inputs, world_size=2)
     assert backend.records == [explained], (backend.records, explained)
-    return {"err": _rel(out.detach(), ref_model(*inputs).detach()), "graphs": len(backend.graphs),
+    return {"err": rel(out.detach(), ref_model(*inputs).detach()), "graphs": len(backend.graphs),
             "warnings": warnings}
 
 

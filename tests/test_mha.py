@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_compile
-from checks import explain_record
+from checks import AttentionCount, explain_record, grad_errors, rel, ring_mismatches
 
 TOL = 1e-5
 VOCAB, DIM, HEADS, SEQ = 64, 32, 4, 16
@@ -114,17 +114,14 @@ def _model(name: str):
     return DirectMHA(name), (torch.randn(2, SEQ, DIM),)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _run(name: str, strict: bool = False, explain: bool = False) -> dict:
     """On every rank: loss / gradient errors vs one process, ring ops, fallbacks, warnings.
     ``explain``: also check that cp-compile explain's record is the runtime's (it logs the
     same warnings first, once per line, so the warning tests leave it off)."""
     (ref_model, inputs), (cp_model, _) = _model(name), _model(name)
     explained = explain_record(ref_model, inputs, world_size=dist.get_world_size()) if explain else None
-    ref = ref_model(*inputs)
+    with AttentionCount() as count:
+        ref = ref_model(*inputs)
     ref.backward()
     records: list = []
     handler = logging.Handler(logging.WARNING)
@@ -141,13 +138,13 @@ def _run(name: str, strict: bool = False, explain: bool = False) -> dict:
         logger.removeHandler(handler)
     if explain:
         assert backend.records == [explained], (backend.records, explained)
-    params = zip(cp_model.named_parameters(), ref_model.parameters())
-    grad_errs = {name: _rel(p.grad, q.grad) for (name, p), q in params}
+    grad_errs = grad_errors(cp_model, ref_model)
     targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
     return {
-        "loss_err": _rel(out.detach(), ref.detach()), "grad_err": max(grad_errs.values()),
+        "loss_err": rel(out.detach(), ref.detach()), "grad_err": max(grad_errs.values()),
         "worst_grad": max(grad_errs, key=grad_errs.get),
         "ring": sum("ring_attention_fwd" in t for t in targets),
+        "ring_mismatches": ring_mismatches(backend, count.calls),
         "mha_left": sum("multi_head_attention_forward" in t for t in targets),
         "fallbacks": list(backend.fallbacks), "warnings": [r.getMessage() for r in records],
     }
@@ -162,7 +159,7 @@ def test_mha_becomes_ring_attention(ranks, name: str, world: int, attentions: in
     for rank, r in enumerate(ranks.run(world, _run, name, False, True, timeout=240)):
         assert "error" not in r, (rank, r)
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, (rank, r)
-        assert r["ring"] == attentions and r["mha_left"] == 0, (rank, r)
+        assert r["ring"] == attentions and r["mha_left"] == 0 and not r["ring_mismatches"], (rank, r)
         assert r["fallbacks"] == [], (rank, r["fallbacks"])
 
 
@@ -249,7 +246,8 @@ def _run_eval(name: str) -> dict:
         return backend(gm, example_inputs)
 
     with torch.no_grad():
-        ref = ref_model(*inputs)
+        with AttentionCount() as count:
+            ref = ref_model(*inputs)
         try:
             explained = explain_record(ref_model, inputs, world_size=world)
             out = torch.compile(cp_model, backend=recording, fullgraph=True)(*inputs)
@@ -259,7 +257,8 @@ def _run_eval(name: str) -> dict:
     rings = [n for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
     targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes]
     return {
-        "err": _rel(out, ref), "fast_path": sum("_transformer_encoder_layer_fwd" in t for t in seen),
+        "err": rel(out, ref), "fast_path": sum("_transformer_encoder_layer_fwd" in t for t in seen),
+        "ring_mismatches": ring_mismatches(backend, count.calls),
         "mha_traced": sum("multi_head_attention" in t for t in seen),
         "rings": [(n.args[3], "attn_mask" in n.kwargs) for n in rings],
         "q_rows": [n.args[0].meta["example_value"].shape[-2] for n in rings], "world": world,
@@ -282,6 +281,7 @@ def test_eval_fast_path_becomes_ring_attention(ranks, name: str, world: int, rin
         assert r["fast_path"] == 2 and r["mha_traced"] == 0, (rank, r)  # Dynamo recorded the fused layer
         assert r["err"] <= TOL, (rank, r)
         assert r["rings"] == [ring, ring] and r["whole"] == [] and r["fallbacks"] == [], (rank, r)
+        assert not r["ring_mismatches"], (rank, r["ring_mismatches"])
         assert r["q_rows"] == [SEQ // world] * 2, (rank, r)  # every rank attends with its 1/N of the queries
 
 
@@ -294,6 +294,7 @@ def test_eval_multihead_attention_becomes_ring_attention(ranks, world: int) -> N
         assert r["fast_path"] == 0 and r["mha_traced"] == 1, (rank, r)
         assert r["err"] <= TOL, (rank, r)
         assert r["rings"] == [(False, False)] and r["whole"] == [] and r["fallbacks"] == [], (rank, r)
+        assert not r["ring_mismatches"], (rank, r["ring_mismatches"])
         assert r["q_rows"] == [SEQ // world], (rank, r)
 
 
@@ -302,6 +303,7 @@ def test_native_multi_head_attention_called_directly(ranks) -> None:
     for rank, r in enumerate(ranks.run(2, _run_eval, "native", timeout=240)):
         assert "error" not in r, (rank, r)
         assert r["err"] <= TOL and r["rings"] == [(False, False)] and r["whole"] == [], (rank, r)
+        assert not r["ring_mismatches"], (rank, r["ring_mismatches"])
     for r in ranks.run(2, _run_eval, "native_weights", timeout=240):
         error = r.get("error", "")
         assert "_native_multi_head_attention" in error and "need_weights" in error, r

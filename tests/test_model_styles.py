@@ -17,16 +17,12 @@ import torch.nn.functional as F
 
 import model_styles
 
-from checks import loss_through_ring_cp
+from checks import grad_errors, loss_through_ring_cp, rel
 from cp_compile.passes.rules.einsum import parse_equation
 
 TOL = 1e-5
 STYLES = [("llama3_complex_rope_factory", {}), ("llama3_complex_rope_factory", {"kv_heads": 4}),
           ("einsum_gpt_factory", {})]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _compare(factory: str, kw: dict) -> dict:
@@ -36,8 +32,8 @@ def _compare(factory: str, kw: dict) -> dict:
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
     return {
-        "loss": _rel(out.detach(), ref.detach()),
-        "grad": max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())),
+        "loss": rel(out.detach(), ref.detach()),
+        "grad": max(grad_errors(cp_model, ref_model).values()),
         "fallbacks": list(backend.fallbacks),
         "ring": sum("ring_attention_fwd" in t for t in targets),
         "sdpa": sum("scaled_dot_product_attention" in t for t in targets),

@@ -4,7 +4,8 @@ A mask term ``X[b, q] == X[b, kv]`` over per-position integer ids X (cp_compile/
 is handed to the ring op as the whole X (4-8 bytes a token) instead of c x S explicit rows per
 rank. Each case compiles a model unchanged and compares, on N = 2 and 4 gloo ranks, its loss
 and every parameter gradient with the same model run eagerly in one process on the full
-sequence (fp32, relative error <= 1e-5); and checks the ring op got ``doc_ids``, no tensor of
+sequence (fp32, relative error <= 1e-5); and checks every attention of that run became a ring
+op (``checks.loss_through_ring_cp``), the ring op got ``doc_ids``, no tensor of
 the rewritten graph is S wide per query row, nothing fell back to a gather, nothing warned, and
 ``cp-compile explain``'s record (mask forms included) is the runtime's:
 
@@ -36,14 +37,10 @@ from packed import LENGTHS, S, DocAttention, PackedLlama
 from packed import doc_ids as _doc_ids
 from packed import positions as _positions
 
-from checks import cp_compile_warnings, loss_through_ring_cp
+from checks import cp_compile_warnings, grad_errors, loss_through_ring_cp, rel
 
 TOL = 1e-5
 RING = "ring_attention_fwd"
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
 
 
 def _compare(ref_model: torch.nn.Module, cp_model: torch.nn.Module, inputs: tuple, seq: int = S) -> dict:
@@ -52,11 +49,7 @@ def _compare(ref_model: torch.nn.Module, cp_model: torch.nn.Module, inputs: tupl
 
     with torch._dynamo.config.patch(specialize_float=True), cp_compile_warnings() as warnings:
         ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
-    refs = {n: p for n, p in ref_model.named_parameters() if p.grad is not None}  # (the embedding: "eos" only)
-    floor = 1e-3 * max(p.grad.double().norm().item() for p in refs.values())
-    cps = {n: p for n, p in cp_model.named_parameters() if p.grad is not None}
-    assert set(cps) == set(refs), (sorted(cps), sorted(refs))
-    grads = {n: _rel(p.grad, refs[n].grad, floor) for n, p in cps.items()}
+    grads = grad_errors(cp_model, ref_model)  # (the embedding has a gradient in form "eos" only)
     (gm,) = backend.graphs
     world = dist.get_world_size()
     s_pad = -(-seq // (2 * world)) * 2 * world  # zig-zag pads the sequence to a multiple of 2N
@@ -64,7 +57,7 @@ def _compare(ref_model: torch.nn.Module, cp_model: torch.nn.Module, inputs: tupl
     rings = [n for n in gm.graph.nodes if RING in str(n.target)]
     wide = [n.name for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
             and n.meta["val"].dim() >= 2 and tuple(n.meta["val"].shape[-2:]) in ((seq, seq), (c, s_pad), (c, seq))]
-    return {"loss": _rel(out.detach(), ref.detach()), "grad": max(grads.values()),
+    return {"loss": rel(out.detach(), ref.detach()), "grad": max(grads.values()),
             "worst": max(grads, key=grads.get), "fallbacks": list(backend.fallbacks), "warnings": warnings,
             "doc_ids": [n.kwargs.get("doc_ids") is not None for n in rings],
             "attn_mask": [tuple(n.kwargs["attn_mask"].meta["val"].shape) if "attn_mask" in n.kwargs else None

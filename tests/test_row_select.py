@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import loss_through_ring_cp
+from checks import grad_errors, loss_through_ring_cp, rel
 
 TOL = 1e-5
 P, D, H = 5, 32, 4  # patch features, model width, heads
@@ -88,10 +88,6 @@ def _build(kind: str, seq_len: int):
     return ImageText(), (torch.randn(2, n_img, P, generator=g), torch.randint(0, 50, (2, seq_len - n_img), generator=g))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _whole_rows(gm: torch.fx.GraphModule, lengths: set) -> list:
     """Activations (past the inputs and the parameters' gradient hooks) with a whole piece's (or the
     sequence's) length at dim 1."""
@@ -113,8 +109,8 @@ def _compare(kind: str, seq_len: int) -> dict:
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
     pieces = {t.shape[1] for t in inputs if t.dim() >= 2}
     return {
-        "loss": _rel(out.detach(), ref.detach()),
-        "grad": max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters())),
+        "loss": rel(out.detach(), ref.detach()),
+        "grad": max(grad_errors(cp_model, ref_model).values()),
         "whole": [w for gm in backend.graphs for w in _whole_rows(gm, pieces | {seq_len})],
         "origins": [sorted(r.shard_nodes.values()) for r in backend.records],  # the cat's sequence dim
         "fallbacks": len(backend.fallbacks),

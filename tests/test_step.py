@@ -1,11 +1,13 @@
 """@cp_compile.context_parallel: decorated training steps track single-process steps.
 
 Each rank also runs the undecorated step on the full batch (the single-device
-reference, identical on every rank) with its own copy of the model and optimizer.
+reference, identical on every rank) with its own copy of the model and optimizer;
+every attention of the model became the ring in the graphs the decorator compiled.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,13 +15,9 @@ import torch
 import models
 
 import cp_compile
-from checks import explain_record
+from checks import AttentionCount, explain_record, rel, ring_mismatches
 
 SHARD = {"input_ids": 1, "labels": 1}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def plain_step(model, optimizer, input_ids, labels):
@@ -62,7 +60,9 @@ def _train(steps: int, mode: str):
                                                 inputs="local" if local else "full")
         step = lambda i, l: decorated(cp_model, cp_opt, *((cp_compile.shard(i, 1), cp_compile.shard(l, 1)) if local else (i, l)))  # noqa: E731,E501
         backend = decorated.backend
-    seen = len(backend.records)
+    seen, rewritten = len(backend.records), len(backend.graphs)  # the method's backend outlives this call
+    with torch.no_grad(), AttentionCount() as count:  # the attention calls of one forward
+        ref_model(ids, labels)
     ref_losses, cp_losses = [], []
     for _ in range(steps):
         ref_losses.append(plain_step(ref_model, ref_opt, ids, labels).item())
@@ -70,16 +70,17 @@ def _train(steps: int, mode: str):
     records = backend.records[seen:]
     assert [r for r in records if r.attention] == [explained], (records, explained)  # explain says what it did
     assert all(r.rings == 0 and not r.unsplit for r in records if not r.attention), records
-    param_err = max(_rel(p, q) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return ref_losses, cp_losses, param_err
+    param_err = max(rel(p, q) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    this_call = SimpleNamespace(graphs=backend.graphs[rewritten:], records=records)
+    return ref_losses, cp_losses, param_err, ring_mismatches(this_call, count.calls)
 
 
 @pytest.mark.parametrize("world,mode", [(2, "function"), (4, "function"), (2, "method"), (2, "local"), (2, "sgd")])
 def test_twenty_decorated_steps_equal_single_process(ranks, world, mode):
-    for ref, cp, param_err in ranks.run(world, _train, 20, mode, timeout=300):
+    for ref, cp, param_err, rings in ranks.run(world, _train, 20, mode, timeout=300):
         assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref, cp)), list(zip(ref, cp))
         assert ref[-1] < ref[0]
-        assert param_err <= 1e-4, param_err
+        assert param_err <= 1e-4 and not rings, (param_err, rings)
 
 
 def test_bad_decorator_arguments_name_the_fix():

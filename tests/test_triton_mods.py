@@ -232,11 +232,13 @@ def test_ring_op_with_mods_on_triton_matches_one_process(ranks):
 
 def _flex_model(style: str) -> tuple:
     """On a rank: a FlexAttention model (examples/flex_models.py) under ring_cp with kernel="triton",
-    against the same model run for one process (flex's dense implementation): (loss, max grad) rel. errors."""
+    against the same model run for one process (flex's dense implementation): (loss, max grad) rel. errors,
+    the Triton kernels generated, and what of "every flex_attention (one a layer) became the ring" fails."""
     import warnings
 
     import cp_compile
     import flex_models
+    from checks import grad_errors, ring_mismatches
     from cp_compile.kernels.triton import mods as triton_mods
 
     ref_model, inputs = flex_models.FACTORIES[style]()
@@ -248,8 +250,9 @@ def _flex_model(style: str) -> tuple:
     backend = cp_compile.RingCP(inner="aot_eager", kernel="triton")
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
     out.backward()
-    grad = max(relerr(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
-    return relerr(out.detach(), ref.detach()), grad, len(triton_mods._CACHE)
+    grad = max(grad_errors(cp_model, ref_model).values())
+    rings = ring_mismatches(backend, len(cp_model.layers))  # one flex_attention a layer
+    return relerr(out.detach(), ref.detach()), grad, len(triton_mods._CACHE), rings
 
 
 @pytest.mark.slow
@@ -257,8 +260,8 @@ def test_flex_model_on_triton_matches_one_process(ranks):
     """torch.compile(backend="ring_cp", kernel="triton") of a FlexAttention model (causal mask_mod, ALiBi
     score_mod reading per-head slopes): the flex rule's traced mods (GraphModules) run inside the Triton
     kernels; loss and every gradient within 1e-5 of one process."""
-    for rank, (loss, grad, generated) in enumerate(ranks.run(2, _flex_model, "alibi", timeout=300)):
-        assert loss <= 1e-5 and grad <= 1e-5 and generated >= 1, (rank, loss, grad, generated)
+    for rank, (loss, grad, generated, rings) in enumerate(ranks.run(2, _flex_model, "alibi", timeout=300)):
+        assert loss <= 1e-5 and grad <= 1e-5 and generated >= 1 and not rings, (rank, loss, grad, generated, rings)
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@
   hand-written scores, with the slopes a buffer or computed inline: the ring op gets a score_mod
   and O(S) buffers, no explicit mask rows; causality stays the ring's flag.
 * The prefix-LM mask ``(kv <= q) | (kv < P)`` (examples/zoo/prefix_lm.py) becomes a mask_mod.
-* Exact on 2 and 4 ranks (tests/test_zoo.py runs the members; here the other variants, and the
-  score kernel cut into row tiles as long sequences are).
+* Exact on 2 and 4 ranks, every attention the ring (tests/test_zoo.py runs the members; here the
+  other variants, and the score kernel cut into row tiles as long sequences are).
 * A learned bias (slopes that are an nn.Parameter) is refused, naming the line and the fix.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checks import AttentionCount, grad_errors, rel, ring_mismatches
 from cp_compile.passes.context import CPRewriteError
 from cp_compile.tools.explain import inspect
 from zoo import alibi, prefix_lm
@@ -131,12 +132,9 @@ def test_a_learned_bias_is_refused_naming_the_line_and_the_fix() -> None:
 
 
 # -- exactness of the variants the zoo test does not run (multi-rank) -----------------------------
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def _rank_errors(variants: list, tile_elements: int = 0) -> list:
-    """Per variant: (loss error, worst gradient error) of ring_cp against one process."""
+    """Per variant: (loss error, worst gradient error, what of "every attention became the ring"
+    fails) of ring_cp against one process."""
     from cp_compile.kernels import scores
 
     saved = scores.TILE_ELEMENTS
@@ -152,23 +150,24 @@ def _errors(variant: dict) -> tuple:
 
     torch._dynamo.reset()
     (ref, args), (cp, _) = alibi.factory(S, **variant), alibi.factory(S, **variant)
-    loss_ref = ref(*args)
+    with AttentionCount() as count:
+        loss_ref = ref(*args)
     loss_ref.backward()
-    loss = torch.compile(cp, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)(*args)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    loss = torch.compile(cp, backend=backend, fullgraph=True)(*args)
     loss.backward()
-    refs = dict(ref.named_parameters())
-    grad = max(_rel(p.grad, refs[n].grad) for n, p in cp.named_parameters())
-    return _rel(loss.detach(), loss_ref.detach()), grad
+    grad = max(grad_errors(cp, ref).values())
+    return rel(loss.detach(), loss_ref.detach()), grad, ring_mismatches(backend, count.calls)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_alibi_variants_are_exact(ranks, world: int) -> None:
     variants = [VARIANTS[1], VARIANTS[3]] if world == 2 else [VARIANTS[2]]
     for rank, errors in enumerate(ranks.run(world, _rank_errors, variants, timeout=300)):
-        assert all(loss <= TOL and grad <= TOL for loss, grad in errors), (rank, errors)
+        assert all(loss <= TOL and grad <= TOL and not rings for loss, grad, rings in errors), (rank, errors)
 
 
 def test_alibi_is_exact_with_the_score_kernel_in_row_tiles(ranks) -> None:
     """Long sequences run each ring rectangle's explicit scores in tiles of rows (memory bound)."""
     for rank, errors in enumerate(ranks.run(2, _rank_errors, [VARIANTS[0]], 500, timeout=300)):
-        assert all(loss <= TOL and grad <= TOL for loss, grad in errors), (rank, errors)
+        assert all(loss <= TOL and grad <= TOL and not rings for loss, grad, rings in errors), (rank, errors)

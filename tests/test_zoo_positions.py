@@ -56,4 +56,4 @@ def test_position_ids_member_with_padding_is_exact(ranks, world, seq):
     """50 tokens on 4 ranks: padding rows read the clamped last id, and count nowhere."""
     for r in ranks.run(world, measure, "position_ids", seq, timeout=300):
         assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5, (r["loss"], r["grad"], r["grad_name"])
-        assert r["fallbacks"] == [] and r["rings"] == r["attention"] == 2
+        assert r["fallbacks"] == [] and r["ring_mismatches"] == [] and r["attention"] == 2, r["ring_mismatches"]

@@ -15,16 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import models
-from checks import loss_through_ring_cp
+from checks import grad_errors, loss_through_ring_cp, rel
 from zoo import nanogpt
 
 from cp_compile.tools.explain import inspect
 
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _calls(gm, name: str) -> int:
@@ -111,9 +107,9 @@ def _exact(form: str, seq: int):
     cp_model = _Shifted(form)
     cp_model.load_state_dict(ref_model.state_dict())
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, _tokens(seq))
-    grads = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    grads = max(grad_errors(cp_model, ref_model).values())
     gathers = sum(_calls(gm, "gather_seq") for gm in backend.graphs)
-    return _rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
+    return rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
 
 
 @pytest.mark.parametrize("world,form,seq", [(2, "smoothed", 24), (4, "log_softmax", 26), (4, "smoothed", 21)])
@@ -149,9 +145,9 @@ def _exact_next_frame(loss: str, seq: int):
     cp_model.load_state_dict(ref_model.state_dict())
     frames = torch.randn(2, seq, 12, generator=torch.Generator().manual_seed(5))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (frames,))
-    grads = max(_rel(p.grad, q.grad) for p, q in zip(cp_model.parameters(), ref_model.parameters()))
+    grads = max(grad_errors(cp_model, ref_model).values())
     gathers = sum(_calls(gm, "gather_seq") for gm in backend.graphs)
-    return _rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
+    return rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
 
 
 @pytest.mark.parametrize("world,loss,seq", [(2, "mse", 24), (4, "l1", 26)])

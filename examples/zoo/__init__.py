@@ -39,6 +39,8 @@ class Member:
     min_sharded: float = 0.9  # lower bound on the record's sharded fraction of activation bytes
     fullgraph: bool = True  # compiled with fullgraph=True (False where Dynamo must break the graph)
     tol: float = 1e-5  # relative error bound on the loss and every parameter gradient (fp32)
+    zero_grads: Tuple[str, ...] = ()  # parameters whose gradient is zero in exact arithmetic (a key bias
+    # nothing rotates): measured against a fraction of the whole gradient's norm (examples/_exact.py)
 
 
 def members() -> Dict[str, Member]:

@@ -83,4 +83,4 @@ def factory(seq_len: int = SEQ_LEN, seed: int = 0):
 
 
 MEMBER = Member("bert", "HF BERT MLM: word + position_ids[:, :S] + token-type embeddings, (1-mask)*min padding mask, tied head",
-                factory)
+                factory, zero_grads=("key.bias",))  # absolute positions: q . b_k shifts a row of scores

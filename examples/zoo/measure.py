@@ -6,11 +6,15 @@ compiled unchanged with ``torch.compile(model, backend=cp_compile.RingCP(inner="
 and called with the same full inputs. Returned (all plain values, picklable):
 
 * ``loss`` and ``grad``: relative errors of the loss and of the worst parameter gradient
-  (``grad_name`` names it; a gradient below 1e-3 of the largest, such as a key bias's, which is
-  zero in exact arithmetic, relative to that 1e-3 of the largest) against the reference;
+  (``grad_name`` names it) against the reference, by the rule of :mod:`_exact`: each gradient
+  relative to its own norm, those the member names as zero in exact arithmetic
+  (``Member.zero_grads``, such as a key bias nothing rotates) relative to a fraction of the
+  whole gradient's norm;
 * ``fallbacks``: the record's gather fallbacks (ops run on the gathered sequence, with lines);
 * ``sharded``: the smallest sharded fraction of activation bytes over the graphs holding attention;
-* ``attention`` / ``rings``: attention found and ring ops made, over all graphs;
+* ``attention`` / ``rings``: attention calls of the eager reference run (counted by their ATen
+  ops, without cp_compile) and ring ops in the rewritten graphs; ``ring_mismatches``: what of
+  "every attention became the ring" fails (:func:`_exact.ring_mismatches`), [] when it holds;
 * ``whole_attention``: on a second call, the forward's attention ops that are not the ring
   (an SDPA / flex / fused-MHA kernel at the top level of the compiled code runs on whatever
   every rank holds: the whole sequence);
@@ -26,21 +30,12 @@ import copy
 from typing import Any, Dict, List, Tuple
 
 import torch
+from _exact import AttentionCount, grad_errors, rel, ring_mismatches
 
 from . import SEQ_LEN, Member, members
 
 _ATTENTION_OPS = ("scaled_dot_product", "flex_attention", "_native_multi_head_attention",
                   "_transformer_encoder_layer_fwd")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
-
-
-# A gradient that is zero in exact arithmetic (a key projection's bias: softmax is invariant
-# to adding q.b_k to every score of a row) is fp32 rounding noise in both runs; it is compared
-# against this fraction of the model's largest gradient norm instead of its own norm.
-_VANISHING = 1e-3
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -75,6 +70,18 @@ def _second_call(compiled: torch.nn.Module, inputs: Any, world: int) -> Tuple[Li
     return sorted(whole), sorted(quadratic)
 
 
+def _truth(member: Member, seq_len: int) -> Dict[str, torch.Tensor]:
+    """The member's parameter gradients in float64, one process (for :func:`_exact.grad_errors`:
+    gradients that are zero in exact arithmetic hold only rounding noise in float32)."""
+    from cp_compile.tools.targets import example_inputs
+
+    model, args, kwargs = example_inputs(member.factory(seq_len=seq_len, seed=0))
+    model = model.double()
+    cast = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    _call(model, {k: cast(v) for k, v in kwargs.items()} if kwargs else tuple(cast(a) for a in args)).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def measure(name: str, seq_len: int = SEQ_LEN) -> Dict[str, Any]:
     """Run member ``name`` on this rank (see the module docstring); needs an initialised process group."""
     import torch.distributed as dist
@@ -91,7 +98,8 @@ def measure(name: str, seq_len: int = SEQ_LEN) -> Dict[str, Any]:
     explained = inspect(ref_model, args, world_size=world, example_kwargs=kwargs, rank=rank).ctx.record
     torch._dynamo.reset()
 
-    ref = _call(ref_model, inputs)
+    with AttentionCount() as count:
+        ref = _call(ref_model, inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
     compiled = torch.compile(cp_model, backend=backend, fullgraph=member.fullgraph)
@@ -99,18 +107,17 @@ def measure(name: str, seq_len: int = SEQ_LEN) -> Dict[str, Any]:
     out.backward()
     n_graphs = len(backend.records)
     whole, quadratic = _second_call(compiled, inputs, world)  # cached graphs: no new compile
-    scale = max((q.grad.double().norm().item() for q in ref_model.parameters() if q.grad is not None), default=0.0)
-    grads = [(n, _rel(p.grad, q.grad, _VANISHING * scale))
-             for (n, p), q in zip(cp_model.named_parameters(), ref_model.parameters()) if q.grad is not None]
-    missing = [n for (n, p), q in zip(cp_model.named_parameters(), ref_model.parameters())
-               if (p.grad is None) != (q.grad is None)]
-    worst = max(grads, key=lambda g: g[1]) if grads else ("", 0.0)
+    grads = grad_errors(cp_model, ref_model, member.zero_grads, _truth(member, seq_len) if member.zero_grads else None)
+    missing = [n for n, err in grads.items() if err == float("inf")]  # a gradient on one side only
+    worst = max(((n, e) for n, e in grads.items() if n not in missing), key=lambda g: g[1], default=("", 0.0))
     attn = [r for r in backend.records if r.attention]
+    fwd = torch.ops.cp_compile.ring_attention_fwd.default
     return {
-        "loss": _rel(out.detach(), ref.detach()), "grad": worst[1], "grad_name": worst[0],
+        "loss": rel(out.detach(), ref.detach()), "grad": worst[1], "grad_name": worst[0],
         "grads_missing": missing, "fallbacks": [f for r in backend.records for f in r.fallbacks],
         "sharded": min((r.sharded_fraction for r in attn), default=0.0),
-        "attention": sum(len(r.attention) for r in backend.records), "rings": sum(r.rings for r in backend.records),
+        "attention": count.calls, "rings": sum(n.target is fwd for gm in backend.graphs for n in gm.graph.nodes),
+        "ring_mismatches": ring_mismatches(backend, count.calls),
         "whole_attention": whole, "quadratic": quadratic,
         "recompiled": len(backend.records) != n_graphs, "records": list(backend.records), "explained": explained,
     }
