@@ -101,7 +101,10 @@ class _GatherSeq(torch.autograd.Function):
         ctx.save_for_backward(order)
         local = x.movedim(dim, 0).contiguous()  # (c, ...)
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group_name))  # (S, ...) rank-major
-        return gathered.index_select(0, inverse).movedim(0, dim)  # global order
+        # global order, in a fresh row-major tensor as one process holds it: not a view of a value made
+        # in here (autograd forbids writing into those: HF Qwen3-Next's chunked delta rule writes into
+        # its gathered output), and view()-able like the original (HF's Qwen4 views it)
+        return gathered.index_select(0, inverse).movedim(0, dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
