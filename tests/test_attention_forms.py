@@ -115,9 +115,16 @@ def softcapped(q, k, v, p):  # Gemma 2: c · tanh(s / c) of the scaled scores, t
     return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def output_written_in_place(q, k, v, p):  # Nystromformer: `context_layer += conv(value_layer)`
+    out = torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, dim=-1) @ v
+    out += v
+    return out
+
+
 FUSED: Dict[str, Callable] = {f.__name__: f for f in (
     matmul_scale, matmul_mt_div, scale_before, scale_after_bias, bias_minus_and_where, einsum_heads_first,
-    einsum_heads_last, bmm_merged_heads, baddbmm_bias, single_head_3d, learned_temperature, softcapped)}
+    einsum_heads_last, bmm_merged_heads, baddbmm_bias, single_head_3d, learned_temperature, softcapped,
+    output_written_in_place)}
 
 
 class Form(nn.Module):

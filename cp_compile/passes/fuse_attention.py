@@ -48,7 +48,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .attention_match import Match, Operand, Term, is_softmax, match_attention
-from .op_vocab import arg as _arg, is_ as _is, same as _same, tensor as _tensor
+from .op_vocab import ALIASING, arg as _arg, is_ as _is, same as _same, tensor as _tensor, writes_in_place
 from .context import RewriteContext, log, source_line
 from .fake_emit import FakeEmitter
 from .score_fn import build_score_fn, scaled_dot_product_attention_with_scores
@@ -233,6 +233,24 @@ def _emit(em: FakeEmitter, m: Match, causal: bool) -> fx.Node:
     return out
 
 
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether an op writes into ``node``'s value, directly or through a view of it (Nystromformer's
+    ``context_layer += self.conv(value_layer)``)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user in seen or not user.args or user.args[0] is not n:
+                continue
+            seen.add(user)
+            if writes_in_place(user):
+                return True
+            name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+            if name in ALIASING:
+                todo.append(user)
+    return False
+
+
 def _module(em: FakeEmitter, fn: fx.GraphModule) -> fx.Node:
     """A ``get_attr`` of ``fn``, registered on the graph's module (its value: ``fn`` itself)."""
     owner = em.graph.owning_module
@@ -257,6 +275,8 @@ def _replace(graph: fx.Graph, m: Match) -> bool:
         softmax = next(n for n in m.chain if is_softmax(n))
         softmax.meta[UNFUSED] = f"it could not be written as scaled_dot_product_attention ({e})"
         return False
+    if _written_in_place(m.out):  # `out += x` on a matmul's result; SDPA keeps its output for the backward
+        out = em.method("clone", out)
     m.out.replace_all_uses_with(out)
     kt_ops = [m.k.node] if m.k.how == "T" else []  # kT and the contiguous / transpose it came through
     while kt_ops and _is(kt_ops[-1], {"contiguous", "clone", "transpose", "permute", "swapaxes", torch.transpose,

@@ -71,3 +71,11 @@ def writes_in_place(node: fx.Node) -> bool:
         return node.target in IN_PLACE_OPERATORS
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
+
+
+# ops whose result may share memory with their first argument (an in-place op on it writes to that too)
+ALIASING = {"getitem", "getattr", "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "transpose",
+            "permute", "unsqueeze", "squeeze", "narrow", "select", "flatten", "unflatten", "as_strided", "t",
+            "contiguous", "to", "type", "type_as", "float", "double", "half", "bfloat16", "bool", "int", "long",
+            "detach", "split", "chunk", "unbind", "tensor_split", "diagonal", "movedim", "moveaxis", "swapaxes",
+            "swapdims", "unfold", "alias", "view_as_real", "view_as_complex", "real", "imag"}

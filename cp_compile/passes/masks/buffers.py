@@ -60,20 +60,12 @@ from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, static
 
 from ..context import fake_value, log, source_line
 from ..graph_inputs import is_parameter_like, user_name
-from ..op_vocab import IN_PLACE_OPERATORS, writes_in_place
+from ..op_vocab import ALIASING, IN_PLACE_OPERATORS, writes_in_place
 from .rows import is_elementwise
 
 MAX_ELEMENTS = 1 << 24  # an intermediate may be this large even when the state it reads is smaller
 
 _RANDOM = re.compile(r"rand|normal|bernoulli|multinomial|poisson|dropout|empty|uniform|exponential|geometric|cauchy")
-
-
-# ops whose result may share memory with their first argument (an in-place op on it writes to the state)
-_ALIASING = {"getitem", "getattr", "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "transpose",
-             "permute", "unsqueeze", "squeeze", "narrow", "select", "flatten", "unflatten", "as_strided", "t",
-             "contiguous", "to", "type", "type_as", "float", "double", "half", "bfloat16", "bool", "int", "long",
-             "detach", "split", "chunk", "unbind", "tensor_split", "diagonal", "movedim", "moveaxis", "swapaxes",
-             "swapdims", "unfold", "alias", "view_as_real", "view_as_complex", "real", "imag"}
 
 
 # beyond rows.is_elementwise: ops whose value on x[:T, :T] is their value on x, cut to [:T, :T]
@@ -270,7 +262,7 @@ def _mutated(leaf: fx.Node) -> bool:
             out = user.kwargs.get("out")
             if (first in aliases and _writes(user)) or (isinstance(out, fx.Node) and out in aliases):
                 return True
-            if first in aliases and _name(user) in _ALIASING and user not in aliases:
+            if first in aliases and _name(user) in ALIASING and user not in aliases:
                 aliases.add(user)
                 todo.append(user)
     return False
