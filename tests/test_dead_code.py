@@ -54,3 +54,46 @@ def test_no_dead_values_after_the_rewrite() -> None:
     square = [n.name for n in report.after.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)
               and v.dim() >= 2 and v.shape[-1] == v.shape[-2] == SEQ]
     assert square == [], square
+
+
+def _affine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b + b
+
+
+class VmappedScan(nn.Module):
+    """torch.vmap inside the model (HF Jamba's mamba scan): Dynamo inlines it as functorch level
+    bookkeeping calls that return nothing and carry no fake value; they must stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.vmap(_affine)(self.emb(tokens), self.emb(tokens))  # (B, S, D), vmapped over the batch
+        q, k, v = self.qkv(h).view(*tokens.shape, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def _vmapped() -> dict:
+    import cp_compile
+    from checks import grad_errors, rel
+
+    torch.manual_seed(0)
+    ref_model = VmappedScan()
+    cp_model = VmappedScan()
+    cp_model.load_state_dict(ref_model.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ref = ref_model(tokens)
+    ref.backward()
+    backend = cp_compile.RingCP(inner="aot_eager")
+    out = torch.compile(cp_model, backend=backend, fullgraph=True)(tokens)
+    out.backward()
+    calls = [getattr(n.target, "__name__", "") for gm in backend.graphs for n in gm.graph.nodes]
+    return {"loss": rel(out.detach(), ref.detach()), "grad": max(grad_errors(cp_model, ref_model).values()),
+            "nesting": calls.count("_vmap_increment_nesting"), "rings": sum(r.rings for r in backend.records)}
+
+
+def test_calls_made_for_their_effect_stay(ranks) -> None:
+    for rank, r in enumerate(ranks.run(2, _vmapped, timeout=240)):
+        assert r["nesting"] == 1 and r["rings"] == 1, (rank, r)
+        assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5, (rank, r)

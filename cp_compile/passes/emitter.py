@@ -39,6 +39,7 @@ class Emitter:
         self.index = SeqIndex(self)
         self.inputs: List[fx.Node] = []  # placeholders awaiting _finish_inputs
         self.row_numbers: Dict[fx.Node, str] = {}  # Sharded values holding row numbers of a selection (routing)
+        self.vmap_depth = 0  # inside how many inlined torch.vmap regions the walk is (rules/vmap.py)
 
     # -- reading the old graph ------------------------------------------------
     def value(self, arg: Any) -> Any:
@@ -123,6 +124,11 @@ class Emitter:
         the gather costs the one op that needs the whole sequence, not every op after it.
         Any other result stays Global."""
         sharded = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(self.layout(a), Sharded)]
+        if self.vmap_depth:
+            raise CPRewriteError(
+                f"cp_compile: {why} (node {node.name}) at {source_line(node)}, inside torch.vmap: the sequence would "
+                "be gathered, and a collective cannot run on vmapped values. Fix: move this op out of the "
+                "vmapped function, or keep the vmap out of the compiled model.")
         wholes = {a: self.whole_input(a) for a in sharded}
         if any(w is None for w in wholes.values()) or _floating(node):
             self.ctx.fallback(node, why)
@@ -181,16 +187,27 @@ def mutates(node: fx.Node) -> bool:
 
 def erase_unused(graph: fx.Graph, nodes: Any) -> None:
     """Erase each of ``nodes`` once nothing reads it, then its inputs alike: only pure ops
-    (:func:`mutates` is False) go, so nothing with an effect is dropped."""
+    (:func:`mutates` is False) go, so nothing with an effect is dropped. A call Dynamo traced as
+    returning nothing is kept too: it is called for its effect (``_vmap_increment_nesting`` of an
+    inlined ``torch.vmap``, which FX does not list as side-effecting)."""
     todo, erased = [n for n in nodes if isinstance(n, fx.Node)], set()
     while todo:
         node = todo.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method") or mutates(node):
+        if node in erased or node.users or node.op not in ("call_function", "call_method") or mutates(node) \
+                or _returns_nothing(node):
             continue
         erased.add(node)
         inputs = node.all_input_nodes
         graph.erase_node(node)
         todo.extend(inputs)
+
+
+def _returns_nothing(node: fx.Node) -> bool:
+    """Whether ``node`` is called for an effect: Dynamo traced it with no value (``example_value=None``),
+    or it is one of functorch's level bookkeeping calls (vmap / grad nesting), which carry no meta."""
+    if ("example_value" in node.meta or "val" in node.meta) and fake_value(node) is None:
+        return True
+    return str(getattr(node.target, "__module__", "")).startswith("torch._functorch")
 
 
 def _floating(node: fx.Node) -> bool:

@@ -32,6 +32,7 @@ from .context import CPRewriteError, RewriteContext, global_shape, log, source_l
 from .doc_table import documents_first, emit_table
 from .emitter import Emitter, erase_unused
 from .find_attention import is_sdpa
+from .rules.vmap import DECREMENT, INCREMENT
 from .layouts import GLOBAL, Global, Sharded
 from .row_select import select_rows
 from .rules.table import apply_rule
@@ -224,6 +225,7 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
             emit_table(em, ids)  # the layout of this call, before anything is sharded
         if em.inputs and (ids is None or em.index.table is not None):
             _finish_inputs(em)  # all placeholders come first (and, under documents, the ids)
+        em.vmap_depth += (node.target is INCREMENT) - (node.target is DECREMENT)  # rules/vmap.py
         if node.op == "output":
             _output(em, node)
         elif node.op == "get_attr":

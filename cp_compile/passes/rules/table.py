@@ -19,6 +19,7 @@ themselves live in the modules named in the first column).
 | flex attention (flex.py) | torch.ops.higher_order.flex_attention: mask_mod / score_mod at global positions, their buffers whole | ring_attention(mods=...) -> (Sharded, Sharded, -) |
 | losses (attention.py) | cross_entropy / nll_loss (mean: / global valid count), mse_loss/l1_loss | all-reduce -> Global |
 | custom autograd.Function (autograd_fn.py) | higher_order.autograd_function_apply whose forward and backward bodies are per-token by their ATen decompositions | Sharded(d) per output |
+| torch.vmap (vmap.py) | functorch's _add_batch_dim / _remove_batch_dim of an inlined vmap (not over the sequence) | Sharded(d moved by the batch dim) |
 | fresh buffers (fill.py) | x.new_empty / new_zeros / new_ones / new_full shaped like Sharded x; dst.copy_(src) into a Sharded dst | Sharded(d), at the local length; copy_ elementwise in place |
 | anything else | per-token by its ATen decomposition (passes/oracle.py: erf, lerp, normalize(-1), ...) | as DTensor propagates |
 | what the oracle refuses | (token mixing: slices along d, roll, cumsum, conv, ...) | fallback: gather to Global, warn |
@@ -47,6 +48,7 @@ from .pointwise import POINTWISE_FUNCS, POINTWISE_METHODS, addmm, matmul, per_to
 from .reductions import histc, reduction, size
 from .routing import _SELECT, _SORT, involves_local, local_rule, select, sort, where
 from .views import along_dim, concat, expand, permute, shape_only, view
+from .vmap import vmap_rules
 
 
 def _table() -> Dict[Any, Rule]:
@@ -82,6 +84,7 @@ def _table() -> Dict[Any, Rule]:
     t.update(einsum_rules())
     t.update(flex_rules())
     t.update(autograd_function_rules())
+    t.update(vmap_rules())
     t.update(fill_rules())
     t.update({k: select for k in _SELECT})
     t.update({k: sort for k in _SORT})
