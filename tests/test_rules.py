@@ -43,6 +43,9 @@ ROWS: dict = {
     "pointwise_with_table": (lambda m, x: x * 2 + m.table, "pointwise", operator.add, (2, C, D)),
     "per_token_layer_norm": (lambda m, x: F.layer_norm(x, (D,)), "pointwise", F.layer_norm, (2, C, D)),
     "matmul_rows": (lambda m, x: x @ m.w, "pointwise", operator.matmul, (2, C, D)),
+    # tokens in a batch dim, with a whole operand holding a matrix per position (DeepSeek's DSA indexer)
+    "matmul_batch_tokens": (lambda m, x: x * (x.unsqueeze(-2) @ m.table[:, :, None]).squeeze(-1), "pointwise",
+                            operator.matmul, (2, C, 1, 1)),
     "view_baked_length": (lambda m, x: x.view(2, S, 2, D // 2).reshape(2, S, D), "views", "view", (2, C, 2, D // 2)),
     "transpose": (lambda m, x: x.transpose(1, 2).transpose(1, 2), "views", "transpose", (2, D, C)),
     "expand_then_sum_features": (lambda m, x: x[:, :, None].expand(2, S, 2, D).sum(2), "views", "expand",

@@ -87,7 +87,11 @@ def matmul(em: Emitter, node: fx.Node):
     a, b = node.args[0], node.args[1]
     sa, sb = _sharded(em, a), _sharded(em, b)
     if sa is not None and sb is None and sa.dim < _ndim(a) - 1 and _ndim(a) >= 2:
-        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
+        converted = _batch_partner(em, a, sa, b)
+        if converted is None:
+            return em.fallback(node, "matmul of sequence-sharded rows with a whole operand along another dim")
+        args, kwargs = _map(em, node, converted)
+        return em.copy(node, args, kwargs), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
     if sb is not None and sa is None and sb.dim == _ndim(b) - 1 and _ndim(b) >= 2 and sb.inner == 1:
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(_ndim(node) - 1)
     if sa is not None and sb is not None and _same_batch_dim(a, sa, b, sb):
@@ -95,6 +99,23 @@ def matmul(em: Emitter, node: fx.Node):
         # weights): one product per token
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
     return em.fallback(node, "matmul mixing tokens")
+
+
+def _batch_partner(em: Emitter, a: fx.Node, sa: Sharded, b: Any) -> Any:
+    """The whole operand ``b`` of ``a @ b`` as the local product needs it ({b: new value}, {} if as is),
+    or None. When a's tokens are a *batch* dim (a (B, S, H, D) @ b (B, S, D, T), one product per
+    token), b's aligned batch dim, if it has the sequence's size, is b's own per-token rows: indexed
+    by this rank's positions, as the pointwise rule does (DeepSeek's sparse-attention indexer
+    weighting per-token scores). Else b's aligned dim must broadcast (size 1, or absent)."""
+    na, nb = _ndim(a), _ndim(b)
+    if sa.dim >= na - 2 or not isinstance(b, fx.Node):
+        return {}  # tokens in a's rows: b is contracted with a's columns, no token dim of its own
+    d = sa.dim - na + nb  # b's dim aligned with a's token dim (batch dims align from the right)
+    if d < 0 or d >= nb - 2 or global_shape(b)[d] == 1:
+        return {}
+    if global_shape(b)[d] != global_shape(a)[sa.dim]:
+        return None
+    return {b: em.to_sharded(b, d, sa.inner)}
 
 
 def _same_batch_dim(a: fx.Node, sa: Sharded, b: fx.Node, sb: Sharded) -> bool:
