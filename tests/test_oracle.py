@@ -58,11 +58,16 @@ PER_TOKEN = {  # name -> (op, what the hand table must not list)
     "baddbmm_heads": (_baddbmm, torch.baddbmm),
     "topk_features": (lambda m, x: x.topk(4, dim=-1).values.repeat(1, 1, 2), ("method", "topk")),
     "cummax_features": (lambda m, x: x.cummax(-1).values, ("method", "cummax")),
+    "cumsum_features": (lambda m, x: x.cumsum(-1), ("method", "cumsum")),
     "conv1d_kernel_1": (lambda m, x: F.conv1d(x.transpose(1, 2), m.table[:, :, None][:D]).transpose(1, 2),
                         F.conv1d),  # SqueezeBERT's (B, C, S) 1x1 convolutions: a linear per position
 }
 MIXING = {
     "cumsum_seq": lambda m, x: x.cumsum(1),
+    # DTensor's scan strategy compared a negative dim as written: these came out per-token
+    "cumsum_seq_negative_dim": lambda m, x: x.cumsum(-2),
+    "cumprod_seq_negative_dim": lambda m, x: torch.cumprod(x, dim=-2),
+    "logcumsumexp_seq_negative_dim": lambda m, x: x.logcumsumexp(-2),
     "cummax_seq": lambda m, x: x.cummax(1).values,
     "normalize_seq": lambda m, x: F.normalize(x, dim=1),
     "softmax_seq": lambda m, x: x.softmax(1),

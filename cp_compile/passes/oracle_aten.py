@@ -188,6 +188,25 @@ def _flip(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
     raise _Stop("flip along the sequence dim")
 
 
+def _scan(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
+    """``aten.cumsum`` / ``cumprod`` / ``logcumsumexp(x, dim)``: per-token unless it scans along the
+    sequence dim. DTensor's scan strategy compares ``dim`` as written with the Shard dim, so a
+    negative dim never matched and the scan came out sharded: each rank a running sum of its own
+    tokens only, silently wrong (Hugging Face Kimi-Linear's ``g.cumsum(dim=-2)`` over the tokens of
+    a (B, H, n_chunks, chunk, D) gate)::
+
+        x (B, S, D) Shard(1) ─ aten.cumsum(x, -2) ─> _Stop (gathered)      was: Shard(1)
+        x (B, S, D) Shard(1) ─ aten.cumsum(x, -1) ─> Shard(1)              over the features
+    """
+    from torch.distributed.tensor import Shard
+
+    pl, nd = place[n.args[0]], n.args[0].meta["val"].dim()
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
+    if isinstance(pl, Shard) and pl.dim != dim % max(nd, 1):
+        return pl
+    raise _Stop(f"{n.target} along the sequence dim")
+
+
 def _pointwise_conv(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
     """``aten.convolution`` with a kernel of 1 along a sharded spatial dim (stride 1, no padding or
     dilation there, not transposed): each output position reads its own input position, as a linear
@@ -207,4 +226,6 @@ def _pointwise_conv(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
 
 
 _EXTRA: Dict[Any, Callable[[fx.Node, Dict[fx.Node, Any]], Any]] = {
-    torch.ops.aten.flip.default: _flip, torch.ops.aten.convolution.default: _pointwise_conv}
+    torch.ops.aten.flip.default: _flip, torch.ops.aten.convolution.default: _pointwise_conv,
+    **dict.fromkeys((torch.ops.aten.cumsum.default, torch.ops.aten.cumprod.default,
+                     torch.ops.aten.logcumsumexp.default), _scan)}
