@@ -5,9 +5,10 @@
   (passes/rules/fill.py), no gather;
 * V with another head dim than Q/K (MLA: D_v < D_qk) -> the ring on zero-padded heads, the output
   sliced back (passes/rules/attention.py);
-* a group mask written in place by an op with no per-token rule (``mask.scatter_(1, idx, 1)``):
-  gathered, and later readers of ``mask`` read the written rows (passes/emitter.py); the same write
-  into a view of a sharded value is refused by name.
+* a group mask written in place along the groups (``mask.scatter_(1, idx, 1)``): per token (the
+  oracle), no gather; then written in place along the sequence (``mask.cumsum_(1)``, which mixes
+  tokens): gathered, and later readers of ``mask`` read the written rows (passes/emitter.py); that
+  write into a view of a sharded value is refused by name.
 Loss and every gradient against one process on 2 ranks.
 """
 
@@ -55,10 +56,11 @@ class MLA(nn.Module):
         scores = self.gate(x).sigmoid()  # (B, S, G)
         idx = scores.topk(2, dim=-1).indices
         if self.view_write:
-            scores[..., :2].scatter_(-1, idx.clamp(max=1), 0.0)
+            scores[..., :2].cumsum_(1)  # mixes tokens, in place on a view: refused
             return x * scores.sum(-1, keepdim=True)
         mask = torch.zeros_like(scores)
-        mask.scatter_(-1, idx, 1.0)  # no per-token rule: runs on the gathered mask
+        mask.scatter_(-1, idx, 1.0)  # per token: on this rank's rows
+        mask.cumsum_(1)  # mixes tokens: runs on the gathered mask, whose rows later readers see
         return x * (scores * mask).sum(-1, keepdim=True)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,7 @@ def _rank_errors() -> dict:
 def test_mla_keys_padded_heads_and_an_in_place_gathered_write_are_exact(ranks):
     for r in ranks.run(2, _rank_errors, timeout=300):
         assert r["loss"] <= 1e-6 and r["grad"] <= 1e-5 and not r["rings"], r
-        assert len(r["fallbacks"]) == 1 and "scatter_" in r["fallbacks"][0], r["fallbacks"]  # not copy_/new_empty
+        assert len(r["fallbacks"]) == 1 and "cumsum_" in r["fallbacks"][0], r["fallbacks"]  # not scatter_/copy_
 
 
 def test_assembled_keys_need_no_gather_and_v_is_padded_to_the_key_head_dim():
@@ -107,5 +109,5 @@ def test_assembled_keys_need_no_gather_and_v_is_padded_to_the_key_head_dim():
 
 def test_an_unruled_in_place_write_into_a_view_of_a_sharded_value_is_refused():
     torch.manual_seed(0)
-    with pytest.raises(CPRewriteError, match=r"scatter_ at .*test_mla.py:\d+.*view of a sequence-sharded.*Fix:"):
+    with pytest.raises(CPRewriteError, match=r"cumsum_ at .*test_mla.py:\d+.*view of a sequence-sharded.*Fix:"):
         inspect(MLA(view_write=True), _inputs(), world_size=2)

@@ -59,6 +59,9 @@ PER_TOKEN = {  # name -> (op, what the hand table must not list)
     "topk_features": (lambda m, x: x.topk(4, dim=-1).values.repeat(1, 1, 2), ("method", "topk")),
     "cummax_features": (lambda m, x: x.cummax(-1).values, ("method", "cummax")),
     "cumsum_features": (lambda m, x: x.cumsum(-1), ("method", "cumsum")),
+    # in place on a sharded destination, along the features (DeepSeek-V3's group mask: mask.scatter_(1, idx, 1))
+    "scatter_in_place_features": (lambda m, x: x.clone().scatter_(-1, x.argmax(-1, keepdim=True), 0.0),
+                                  ("method", "scatter_")),
     "conv1d_kernel_1": (lambda m, x: F.conv1d(x.transpose(1, 2), m.table[:, :, None][:D]).transpose(1, 2),
                         F.conv1d),  # SqueezeBERT's (B, C, S) 1x1 convolutions: a linear per position
 }

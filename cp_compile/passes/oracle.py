@@ -104,8 +104,10 @@ def _seq_dims(em: "Emitter", node: fx.Node) -> Optional[List[Optional[int]]]:
 
 def _key(em: "Emitter", node: fx.Node) -> Optional[Any]:
     """The cache key: target, argument structure, shapes/dtypes, constants and sharded dims."""
-    if node.op not in ("call_function", "call_method") or _in_place(node):
-        return None  # in place: indexing a whole operand would update a copy, not the value
+    if node.op not in ("call_function", "call_method"):
+        return None
+    if _in_place(node) and not (node.args and isinstance(em.layout(node.args[0]), Sharded)):
+        return None  # in place on a whole value: indexing it by position would update a copy, not the value
     dims = _seq_dims(em, node)
     if dims is None:
         return None
