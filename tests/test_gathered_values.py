@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import grad_errors, rel
+from checks import grad_errors, loss_through_ring_cp, rel
 
 S, D = 16, 8
 
@@ -37,23 +37,16 @@ class WritesIntoGathered(nn.Module):
 
 
 def _compare() -> dict:
-    import cp_compile
-
     torch.manual_seed(0)
-    ref_model = WritesIntoGathered()
-    cp_model = WritesIntoGathered()
+    ref_model, cp_model = WritesIntoGathered(), WritesIntoGathered()
     cp_model.load_state_dict(ref_model.state_dict())
     x = torch.randn(2, S, D, generator=torch.Generator().manual_seed(1))
-    ref = ref_model(x)
-    ref.backward()
-    backend = cp_compile.RingCP(inner="aot_eager")
-    out = torch.compile(cp_model, backend=backend, fullgraph=True)(x)
-    out.backward()
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,))  # also: every attention the ring
     return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
-            "rings": sum(r.rings for r in backend.records), "fallbacks": len(backend.fallbacks)}
+            "fallbacks": len(backend.fallbacks)}
 
 
 def test_write_into_and_view_of_gathered_values_are_exact(ranks) -> None:
     for rank, r in enumerate(ranks.run(2, _compare, timeout=240)):
         assert r["loss"] <= 1e-5 and max(r["grads"].values()) <= 1e-5, (rank, r)
-        assert r["rings"] == 1 and r["fallbacks"] >= 1, (rank, r)  # the scan is gathered (warned), then exact
+        assert r["fallbacks"] >= 1, (rank, r)  # the scan is gathered (warned), then exact

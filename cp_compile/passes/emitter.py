@@ -202,12 +202,33 @@ def erase_unused(graph: fx.Graph, nodes: Any) -> None:
         todo.extend(inputs)
 
 
+FUNCTORCH_BOOKKEEPING = ("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")
+
+
 def _returns_nothing(node: fx.Node) -> bool:
     """Whether ``node`` is called for an effect: Dynamo traced it with no value (``example_value=None``),
-    or it is one of functorch's level bookkeeping calls (vmap / grad nesting), which carry no meta."""
+    or it is one of functorch's level bookkeeping calls of an inlined vmap, which carry no meta
+    (:func:`drop_empty_vmap_regions` removes those around a region left empty)."""
     if ("example_value" in node.meta or "val" in node.meta) and fake_value(node) is None:
         return True
-    return str(getattr(node.target, "__module__", "")).startswith("torch._functorch")
+    return str(getattr(node.target, "__module__", "")).startswith("torch._functorch") \
+        and getattr(node.target, "__name__", "") in FUNCTORCH_BOOKKEEPING
+
+
+def drop_empty_vmap_regions(graph: fx.Graph) -> None:
+    """Erase the bookkeeping of a vmap region whose body is gone (create_block_mask's vmapped
+    mask_mod once the ring replaced the BlockMask): ``lazy_load_decompositions();
+    _vmap_increment_nesting(..); _vmap_decrement_nesting()`` with nothing in between."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    names = [getattr(n.target, "__name__", "") for n in nodes]
+    for i, name in enumerate(names[:-1]):
+        if name == "_vmap_increment_nesting" and names[i + 1] == "_vmap_decrement_nesting" \
+                and nodes[i + 1].next is not None and nodes[i].next is nodes[i + 1]:
+            dead = [nodes[i + 1], nodes[i]] + ([nodes[i - 1]] if i and names[i - 1] == "lazy_load_decompositions"
+                                               and nodes[i - 1].next is nodes[i] else [])
+            for n in dead:
+                if not n.users:
+                    graph.erase_node(n)
 
 
 def _floating(node: fx.Node) -> bool:

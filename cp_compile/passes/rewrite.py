@@ -30,7 +30,7 @@ from torch._prims_common import compute_elementwise_output_logical_to_physical_p
 from .. import graph_ops
 from .context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from .doc_table import documents_first, emit_table
-from .emitter import Emitter, erase_unused
+from .emitter import Emitter, drop_empty_vmap_regions, erase_unused
 from .find_attention import is_sdpa
 from .rules.vmap import DECREMENT, INCREMENT
 from .layouts import GLOBAL, Global, Sharded
@@ -195,6 +195,7 @@ def _drop_dead_code(em: Emitter) -> None:
     ``cp-compile explain``. In-place and impure ops (random draws, ``_set_grad_enabled``) stay.
     """
     erase_unused(em.graph, list(em.graph.nodes))
+    drop_empty_vmap_regions(em.graph)
 
 
 def _check_every_attention_is_the_ring(em: Emitter) -> None:
