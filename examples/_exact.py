@@ -12,13 +12,17 @@ compiled unchanged is exact too:
   of the norm of the whole reference gradient (every parameter's together) instead.
 * :func:`ring_mismatches`: every attention of the model, counted in the eager run without
   cp_compile (:class:`AttentionCount`), became ring attention.
+
+And :func:`cp_compile_warnings` collects what cp_compile said (a gather or no CP must be warned).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -142,3 +146,18 @@ def ring_mismatches(backend: Any, attentions: int, compiles: int = 1) -> List[st
     if unsplit:
         problems.append(f"attention ring_cp could not split: {unsplit}")
     return problems
+
+
+@contextlib.contextmanager
+def cp_compile_warnings() -> Iterator[List[str]]:
+    """Within: the message of every WARNING the ``cp_compile`` logger (or a child) emits, in
+    order (also on a rank worker, where pytest's caplog does not reach)."""
+    messages: List[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("cp_compile")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

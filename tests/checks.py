@@ -13,8 +13,7 @@ counted without the code under test (:class:`AttentionCount`), became the ring
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, List
+from typing import Any, List
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -23,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 # examples/hf_sweep.py judge by the same rules; re-exported here for the tests): every gradient
 # against its own norm, only those named as zero in exact arithmetic against 1e-4 of the whole
 # gradient's norm; and every attention of the eager run became the ring.
-from _exact import AttentionCount, grad_errors, rel, ring_mismatches  # noqa: F401 (re-exported)
+from _exact import AttentionCount, cp_compile_warnings, grad_errors, rel, ring_mismatches  # noqa: F401 (re-exported)
 
 
 def layout_mismatches(out: Any, ref: Any) -> List[str]:
@@ -77,23 +76,6 @@ def loss_through_ring_cp(ref_model: torch.nn.Module, cp_model: torch.nn.Module, 
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     assert not (rings := ring_mismatches(backend, count.calls)), rings
     return ref, out, backend
-
-
-@contextlib.contextmanager
-def cp_compile_warnings() -> Iterator[List[str]]:
-    """Within: the messages of every WARNING the ``cp_compile`` logger emits, in order (on a
-    rank worker, where pytest's caplog does not reach)."""
-    import logging
-
-    messages: List[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("cp_compile")
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
 
 
 def pieces_mismatches(records: List[Any], explained: Any) -> List[str]:
