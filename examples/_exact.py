@@ -44,7 +44,10 @@ def grad_errors(cp_model: torch.nn.Module, ref_model: torch.nn.Module, zero: Seq
     ``zero``: the gradients that are zero in exact arithmetic, each a dotted suffix of a
     parameter name (``"k_proj.bias"``) or an fnmatch pattern of the whole name; each must name a
     parameter whose reference gradient is below ``ZERO_CEILING`` of the whole (AssertionError
-    otherwise). A gradient on one side only is an error of ``inf``; none on both is left out.
+    otherwise). A gradient on one side only is an error of ``inf``, unless the other side is all
+    zeros (a parameter whose output the loss ignores, a BERT pooler under a causal-LM head: eager
+    autograd leaves it None, a compiled graph, with or without ring_cp, gives it zeros); none on
+    both is left out.
 
     ``truth``: the same model's gradients in float64 (name -> tensor), when the caller has them.
     The one-process float32 run is itself rounded, and for a gradient of cancelling terms (one
@@ -67,12 +70,16 @@ def grad_errors(cp_model: torch.nn.Module, ref_model: torch.nn.Module, zero: Seq
     for name in sorted(set(refs) | {n for n, g in cps.items() if g is not None}):
         got, want = cps.get(name), refs.get(name)
         if got is None or want is None:
-            errors[name] = math.inf
+            errors[name] = 0.0 if _all_zero(got if want is None else want) else math.inf
         else:
             errors[name] = rel(got, want, ZERO_FLOOR * whole if name in listed else 1e-30)
             if truth is not None and errors[name] > TOL and name in truth:
                 errors[name] = min(errors[name], _against_truth(got, want, truth[name]))
     return errors
+
+
+def _all_zero(grad: torch.Tensor) -> bool:
+    return not bool(grad.count_nonzero())
 
 
 def _against_truth(got: torch.Tensor, want: torch.Tensor, true: torch.Tensor) -> float:
