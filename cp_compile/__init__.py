@@ -22,7 +22,8 @@ The package, one screen (docs/design.md explains each part)::
       passes/                    the FX passes, in order (passes/__init__.py): attention forms ->
                                  find attention + masks/ -> sequence inputs/origins -> rewrite
                                  (emitter, rules/ table, rule oracle, row selection) -> repropagate
-      ring/                      the ring attention op: custom ops, loops, comm, plan, merge, faults
+      ring/                      the ring attention op: custom ops (with SDPA's autocast rule), loops,
+                                 comm, plan, merge, faults
       kernels/                   block kernels: aten (CPU/CUDA), reference, triton (GPU)
       tools/                     the cp-compile CLI: explain, dump, plan (nothing at run time)
 """

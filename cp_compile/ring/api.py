@@ -13,6 +13,7 @@ from ..options import RingOptions
 from ..kernels import get_kernel
 from ..sequence import check_seq_len, check_table
 from .agree import check_device
+from .autocast import sdpa_dtype
 from .masking import additive_mask
 from .mods import Mods, register_mods
 
@@ -35,7 +36,7 @@ def _check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
             )
         if not t.dtype.is_floating_point:
             _fail(f"{name} has dtype {t.dtype}; expected a floating-point dtype. Fix: cast to float32/bfloat16/float16.")
-    if not (q.dtype == k.dtype == v.dtype):
+    if len({sdpa_dtype(t, q.device.type) for t in (q, k, v)}) != 1:  # under autocast, as the op casts them
         _fail(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}). Fix: cast them to one dtype.")
     if not (q.device == k.device == v.device):
         _fail(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}). Fix: move them to one device.")
@@ -241,7 +242,8 @@ def ring_attention(
         positions = check_table(positions, g.size, q.shape[2] * g.size)  # (N, c) int64 on the CPU
     if not torch.compiler.is_compiling():  # traced: the op checks it when it runs
         check_device(g, q.device)  # a device the group cannot move: fail here, on every rank
-    kern = get_kernel(opts.kernel, q.device, q.dtype)  # unknown or unsupported kernel: fail here, on every rank
+    # unknown or unsupported kernel (for q's dtype as the op gets it): fail here, on every rank
+    kern = get_kernel(opts.kernel, q.device, sdpa_dtype(q, q.device.type))
     mask = None if attn_mask is None else _local_mask(attn_mask, q, g.size, causal, opts.kernel)
     _check_kernel_masks(kern, window, mask)
     docs = None if doc_ids is None else _check_doc_ids(doc_ids, q, g.size)

@@ -8,7 +8,8 @@ communication), have fake implementations for shape propagation, and are linked 
 custom ops take only tensors and plain values; ``timeout`` (seconds, ``-1``: the
 process group's own) bounds every wait of the ring (:mod:`.faults`). The first
 forward call with given arguments checks that every rank passed the same ones
-(:mod:`.agree`).
+(:mod:`.agree`). Under ``torch.autocast`` the forward casts q, k, v as autocast casts SDPA's
+(:mod:`.autocast`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from ..group import group_by_name
 from ..kernels import get_kernel
 from ..sequence import check_table
+from . import autocast
 from .agree import check_device, check_same_call, metadata
 from .faults import RingGroup
 from .loops import ring_backward, ring_forward
@@ -77,6 +79,7 @@ def ring_attention_fwd(
     ``score_buffers`` (whole tensors, constants). ``positions``: an (N, c) int64 table, row r =
     rank r's sorted global positions (the same whole tensor on every rank), in place of
     ``load_balance`` (:func:`cp_compile.sequence.check_table`)."""
+    check_one_dtype(q, k, v)
     opts = _run_options(group_name, kernel, q, timeout, "forward")
     q, k, v = _dense(q), _dense(k), _dense(v)
     meta = metadata(q, k, v, causal, scale, load_balance, rotate, opts["kernel"].name, valid_len, window,
@@ -90,6 +93,15 @@ def ring_attention_fwd(
     )
 
 
+def check_one_dtype(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Raise if q, k, v (as the op gets them: after the autocast rule) differ in dtype, as SDPA does."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"cp_compile.ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}), which "
+            "F.scaled_dot_product_attention refuses too. Fix: cast q, k, v to one dtype, or run under "
+            "torch.autocast (the ring casts them as autocast casts SDPA's).")
+
+
 def _dense(t: Tensor) -> Tensor:
     """``t`` in row-major memory: the CPU flash kernel reads its inputs as if they were, and gives
     wrong numbers, silently, for a view whose head dim is not the innermost one (q from
@@ -101,6 +113,7 @@ def _dense(t: Tensor) -> Tensor:
 def _(q, k, v, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1, timeout=-1.0, window=-1,
       attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None, positions=None):
     # The real op returns fresh contiguous tensors whatever the input strides.
+    check_one_dtype(q, k, v)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype)
 
@@ -185,5 +198,6 @@ def _n_inputs(options: List[Any]) -> int:
 
 
 ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+autocast.register(torch.ops.cp_compile.ring_attention_fwd.default)  # SDPA's autocast rule
 
 from . import table_op as _table_op  # noqa: E402,F401  (registers cp_compile::document_table)
