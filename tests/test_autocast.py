@@ -16,9 +16,9 @@ copy without autocast (the truth). Required, on every rank:
 Decoder (the example Llama) and encoder (``nn.TransformerEncoder``, opened by passes/expand_mha.py),
 bf16 and fp16 on the CPU, 2 and 4 ranks; a model cast to bf16 (no autocast); autocast entered
 inside the compiled forward (Dynamo records ``_enter_autocast`` / ``_exit_autocast`` nodes around
-the SDPA the ring replaces); and ``cp_compile.ring_attention`` called eagerly. One ``ranks.run``
-per world size runs its cases: starting the two pools and their first compiles are most of the
-file's time.
+the SDPA the ring replaces); attention written by hand on float32 q, k (passes/fuse_attention.py);
+and ``cp_compile.ring_attention`` called eagerly. One ``ranks.run`` per world size runs its cases:
+starting the two pools and their first compiles are most of the file's time.
 """
 
 from __future__ import annotations
@@ -90,6 +90,24 @@ class Encoder(nn.Module):
         return F.mse_loss(self.head(self.enc(x)), targets)  # x (B, S, dim), targets (B, S, 4)
 
 
+class HandWritten(nn.Module):
+    """Causal attention written by hand (passes/fuse_attention.py makes it SDPA) on q, k rotated by a float32
+    table as RoPE's: under autocast its products cast q and k (float32) and v (the autocast dtype)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, 4)
+        self.register_buffer("table", torch.rand(SEQ, dim // heads) + 0.5)  # (S, D) float32
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        B, S, C = x.shape  # (B, S, dim)
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, D)
+        q, k = q * self.table[:S], k * self.table[:S]
+        scores = (q @ k.transpose(-1, -2)) / (C // self.heads) ** 0.5  # (B, H, S, S)
+        w = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        return F.mse_loss(self.out((w @ v).transpose(1, 2).reshape(B, S, C)), targets)
+
+
 class Autocast(nn.Module):
     """``model`` with ``torch.autocast`` entered inside its forward (so inside the compiled code)."""
 
@@ -107,7 +125,8 @@ class Autocast(nn.Module):
 # would take longer than a test file may: each world size has a decoder and an encoder, and each of those
 # runs under bf16 on one world size and under fp16 on the other.
 CASES = {
-    2: [("llama", "bfloat16"), ("encoder", "float16", True), ("llama", None), ("ring_attention", "bfloat16")],
+    2: [("llama", "bfloat16"), ("encoder", "float16", True), ("llama", None), ("hand_written", "float16"),
+        ("ring_attention", "bfloat16")],
     4: [("llama", "float16"), ("encoder", "bfloat16")],
 }
 
@@ -118,7 +137,8 @@ def _model(name: str) -> Tuple[nn.Module, tuple]:
         return models.llama_factory(seq_len=SEQ, n_layers=1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    return Encoder(), (torch.randn(2, SEQ, 64, generator=g), torch.randn(2, SEQ, 4, generator=g))  # x, targets
+    model = HandWritten() if name == "hand_written" else Encoder()
+    return model, (torch.randn(2, SEQ, 64, generator=g), torch.randn(2, SEQ, 4, generator=g))  # x, targets
 
 
 def _truth(model: nn.Module, inputs: tuple) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:

@@ -398,11 +398,13 @@ def _permuted(x: fx.Node, sub: str, to: str) -> Operand:
 
 # -- shapes -----------------------------------------------------------------------------------------
 def _check(m: Match) -> Tuple[Optional[Match], str]:
-    """The match when q, k and v are one self-attention of one dtype, else why not."""
+    """The match when q, k and v are one self-attention of one dtype, else why not. The dtype is the
+    products' (q·kᵀ's and the output's): an operand in another one was cast by ``torch.autocast``, as a
+    product never promotes (float32 q and k after RoPE, a bf16 v), and the SDPA gets it cast the same way."""
     q, k, v, out = m.q.shape, m.k.shape, m.v.shape, tensor(m.out)
-    dtypes = {tensor(x.node).dtype for x in (m.q, m.k, m.v)} | {out.dtype}
-    if len(dtypes) != 1 or not out.is_floating_point():
-        return None, "q, k, v and the output differ in dtype"
+    floats = all(tensor(x.node).is_floating_point() for x in (m.q, m.k, m.v))
+    if tensor(m.chain[0]).dtype != out.dtype or not (floats and out.is_floating_point()):
+        return None, "its products q·kᵀ and w·v differ in dtype (or q, k, v are not floating-point)"
     if not (_lead_equal(q[:-2], k[:-2]) and _lead_equal(m.weights_frame[:-2], v[:-2])):
         return None, "q, k and v differ in their batch or head dims"
     if not (same(_numel(q[:-2]), _numel(m.lead)) and same(_numel(v[:-2]), _numel(m.lead))):

@@ -27,15 +27,17 @@ default would be 1/√D); a tensor scale per query row multiplies q. A single ma
 ``masked_fill(triu(ones(S, S), 1).bool(), -inf)`` (or ``tril(ones(S, S)) == 0``, ``~tril``)
 is causal: SDPA gets ``is_causal=True`` and no mask, so the ring op needs no tensor. The new
 nodes get fake values and the stack trace of the replaced product; the scores, the softmax
-and the mask construction that nothing else reads are erased.
+and the mask construction that nothing else reads are erased. Under ``torch.autocast`` the
+products cast their operands (float32 q and k after RoPE, a bf16 v); the SDPA gets q, k, v cast
+to the products' dtype the same way.
 
 Left as written (:mod:`.unsplit` names each one in a WARNING, the reason from the matcher):
 the S x S scores or weights used by anything else (returned, regularised, ...); a scale that
 is not a number or a per-row tensor; active dropout; a bias that requires grad (learned, or
 computed from activations: the ring op applies biases of positions only); q/k/v whose
-lengths, batch dims or dtypes differ (cross-attention). A masked_fill with a finite fill
-(``finfo.min``, -1e9) becomes a boolean mask: identical except on rows where every key is
-masked, which a hand-written softmax spreads uniformly and SDPA does not.
+lengths or batch dims differ (cross-attention); the two products in different dtypes. A
+masked_fill with a finite fill (``finfo.min``, -1e9) becomes a boolean mask: identical except
+on rows where every key is masked, which a hand-written softmax spreads uniformly and SDPA does not.
 """
 
 from __future__ import annotations
@@ -210,7 +212,9 @@ def _mask(em: FakeEmitter, m: Match, lead: Tuple[Any, ...]) -> Optional[fx.Node]
 def _emit(em: FakeEmitter, m: Match, causal: bool) -> fx.Node:
     """The SDPA of ``m`` and the ops that give it the final product's shape."""
     lead = _target_lead(m.lead)
+    dtype = _tensor(m.out).dtype  # the products' (autocast casts their operands to it: attention_match._check)
     q, k, v = (_operand(em, op, lead) for op in (m.q, m.k, m.v))
+    q, k, v = (x if _tensor(x).dtype == dtype else em.method("to", x, dtype) for x in (q, k, v))
     for t in m.row_scales:
         q = em.fn(operator.mul, q, _regroup(em, t, lead))
     mask = None if causal else _mask(em, m, lead)
