@@ -139,6 +139,7 @@ def _local_inputs(dynamic):
     except Exception as e:  # Dynamo wraps backend errors
         return f"{type(e).__name__}: {e}"
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
+    assert backend.records[0].sharded_fraction >= 0.9, backend.records  # the llama holds nearly all sharded
     out.backward()
     return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 

@@ -1,8 +1,7 @@
 """Every value docs/backend.md documents for every ``ring_cp`` option compiles and runs on 2 ranks.
 
 One row of :data:`VALUES` per (option, value): the example Llama is compiled with
-``RingCP(inner="aot_eager", option=value)`` (or the value's own setup, e.g. shards as
-inputs for ``inputs="local"``), run forward and backward, and its loss and every
+``RingCP(inner="aot_eager", option=value)``, run forward and backward, and its loss and every
 parameter gradient compared with one process on the full sequence. ``test_the_table_
 covers_every_option`` keeps the table honest: every ``BackendOptions`` field and every
 choice the code accepts has a row, so a new option or value cannot ship untested.
@@ -48,7 +47,7 @@ VALUES = {
     ("seq_inputs", "auto"): None,
     ("seq_inputs", "dict"): None,
     ("inputs", "full"): None,
-    ("inputs", "local"): None,
+    ("inputs", "local"): "test_backend_dynamic.py::test_local_inputs_with_a_symbolic_length_are_exact",
     ("outputs", "full"): None,
     ("outputs", "local"): None,
     ("grad_sync", "allreduce"): None,
@@ -96,11 +95,8 @@ def _run_with(option: str, label: str):
     ref.backward()
     options = {"inner": "aot_eager", option: _value(option, label)}
     backend = cp_compile.RingCP(**options)
-    dynamic = None
-    if option == "inputs" and label == "local":  # the data loader hands each rank its shard
-        ids, labels, dynamic = cp_compile.shard(ids, 1), cp_compile.shard(labels, 1), True
-    explained = _explain(ref_model, ids, labels, options, dynamic)
-    out = torch.compile(cp_model, backend=backend, dynamic=dynamic)(ids, labels)
+    explained = _explain(ref_model, ids, labels, options)
+    out = torch.compile(cp_model, backend=backend)(ids, labels)
     out.backward()
     assert backend.records == [explained], (option, label, backend.records, explained)  # explain = runtime
     assert backend.records[0].sharded_fraction >= 0.9, backend.records  # the llama holds nearly all sharded
@@ -111,13 +107,12 @@ def _run_with(option: str, label: str):
             ring_mismatches(backend, count.calls))
 
 
-def _explain(model, ids, labels, options: dict, dynamic):
-    """``cp-compile explain``'s record of ``model`` compiled with ``options`` (and ``dynamic``, as
-    the runtime is). It runs without a process group (the CP group is its world_size); inner and
-    timeout do not reach the rewrite."""
+def _explain(model, ids, labels, options: dict):
+    """``cp-compile explain``'s record of ``model`` compiled with ``options``. It runs without a
+    process group (the CP group is its world_size); inner and timeout do not reach the rewrite."""
     rewrite = {k: dict(v) if isinstance(v, dict) else v  # a copy: seq_inputs={...} is the backend's too
                for k, v in options.items() if k not in ("mesh", "inner", "timeout")}
-    return explain_record(model, (ids, labels), world_size=dist.get_world_size(), dynamic=bool(dynamic), **rewrite)
+    return explain_record(model, (ids, labels), world_size=dist.get_world_size(), **rewrite)
 
 
 HERE = [key for key, elsewhere in VALUES.items() if elsewhere is None]
