@@ -37,7 +37,7 @@ from distributed import RankPools
 
 
 # Test tiers. ``./dev test`` runs everything (CI); ``./dev test --fast`` (``-m "not slow and
-# not inductor"``) is the inner loop, about 3 minutes here. SLOW: the test functions one of
+# not inductor"``) is the inner loop, about 5 minutes here. SLOW: the test functions one of
 # whose cases took 2 s or more in a full run on 2 busy cores (``./dev test --durations=0``),
 # except one end-to-end model test and one ring-op test that the fast tier keeps as smoke.
 INDUCTOR = {"test_schedule.py": {"test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits"},
