@@ -8,7 +8,11 @@ when it is
 * ``F.multi_head_attention_forward`` left opaque (:mod:`.expand_mha` opens every one it can);
 * a softmax or logsumexp over a dim of length L whose input depends on a product (matmul,
   ``@``, bmm, baddbmm, einsum) of two operands that each keep a dim of length L in the product
-  (the (.., L, L) scores of q and k) and each read an input or activation (not only weights).
+  (the (.., L, L) scores of q and k) and each read an input or activation (not only weights);
+* a higher-order op whose body holds attention (SDPA, FlexAttention or either form above): an
+  activation-checkpointed region (``tag_activation_checkpoint``: torch.utils.checkpoint, Hugging
+  Face gradient checkpointing, ``checkpoint_wrapper``) or any other body Dynamo keeps as a
+  subgraph (``invoke_subgraph``, ...); the passes do not enter bodies yet.
 
 A weight matrix is no sequence (the vocabulary softmax of ``h @ Wᵀ`` is not attention), and
 cross-attention of two lengths is not self-attention over one sequence. Every op found is
@@ -29,9 +33,11 @@ from .attention_match import einsum_parts, is_softmax, match_attention
 from .context import CPRewriteError, RewriteContext, fake_value, log, source_line
 from .fuse_attention import UNFUSED
 from .graph_inputs import is_parameter_like
-from .op_vocab import BADDBMM, EINSUM, MATMUL, arg, is_, tensor
+from .op_vocab import BADDBMM, EINSUM, MATMUL, SDPA_TARGETS, arg, is_, tensor
 
 OPAQUE_ATTENTION = ("multi_head_attention_forward",)
+REGIONS = {"tag_activation_checkpoint": "activation checkpointing",
+           "invoke_subgraph": "torch.compiler.nested_compile_region"}
 LOGSUMEXP = {torch.logsumexp, "logsumexp", torch.special.logsumexp}
 DEPTH = 24  # how many ops above a softmax its scores may come from the product (scales, masks, casts, views)
 FIX = ("Fix: F.scaled_dot_product_attention(q, k, v, attn_mask=..., is_causal=...) computes the same without "
@@ -143,9 +149,48 @@ def _attention_why(node: fx.Node, data: _Data) -> Optional[str]:
     return why or "its scores or weights are not in a form ring_cp recognises (softmax(q·kᵀ·scale + bias)·v)"
 
 
+def _bodies(node: fx.Node) -> List[fx.GraphModule]:
+    """The subgraphs a higher-order op call runs (its ``get_attr`` operands that are graphs)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    root = node.graph.owning_module
+    found = [getattr(root, a.target, None) for a in node.all_input_nodes if a.op == "get_attr"]
+    return [b for b in found if isinstance(b, fx.GraphModule)]
+
+
+def _attention_in(body: fx.GraphModule) -> int:
+    """How many attention ops ``body`` (and the bodies inside it) computes. Its placeholders are
+    the region's operands, activations and lifted weights alike, so each counts as data."""
+    data = _Data()
+    data.memo.update({n: True for n in body.graph.find_nodes(op="placeholder")})
+    count = 0
+    for n in body.graph.nodes:
+        if is_(n, SDPA_TARGETS) or (n.op == "call_function" and "flex_attention" in _name(n)):
+            count += 1
+        elif is_softmax(n) or is_(n, LOGSUMEXP):
+            count += _attention_why(n, data) is not None
+        count += sum(_attention_in(b) for b in _bodies(n))
+    return count
+
+
+def _region_why(node: fx.Node) -> Optional[str]:
+    count = sum(_attention_in(b) for b in _bodies(node))
+    if not count:
+        return None
+    name = _name(node)
+    kind = REGIONS.get(name, "a higher-order op")
+    return (f"{count} attention op(s) inside a {name} region ({kind}): ring_cp does not rewrite inside "
+            "higher-order op bodies yet. Fix: compile without it for now (activation checkpointing: "
+            "model.gradient_checkpointing_disable(), or no torch.utils.checkpoint / checkpoint_wrapper "
+            "around the attention; ring_cp already divides the activations' memory by N)")
+
+
 def _why(node: fx.Node, data: _Data) -> Optional[str]:
     if node.op not in ("call_function", "call_method"):
         return None
+    region = _region_why(node)
+    if region:
+        return region
     name = _name(node)
     if node.op == "call_function" and any(op in name for op in OPAQUE_ATTENTION):
         return (f"{name} (nn.MultiheadAttention / nn.Transformer* layers) is one opaque op to ring_cp. Fix: "
