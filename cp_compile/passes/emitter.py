@@ -180,9 +180,7 @@ class Emitter:
 
 def mutates(node: fx.Node) -> bool:
     """In-place methods/functions (``x.add_``, ``torch.relu_``) and other impure calls (``operator.and_`` is pure)."""
-    if node.op == "call_method":
-        return writes_in_place(node)
-    return writes_in_place(node) or node.is_impure()
+    return writes_in_place(node) or node.is_impure()  # is_impure: False for every call_method
 
 
 def erase_unused(graph: fx.Graph, nodes: Any) -> None:

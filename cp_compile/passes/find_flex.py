@@ -36,8 +36,7 @@ import torch
 import torch.fx as fx
 
 from .context import CPRewriteError, fake_value, source_line
-from .emitter import erase_unused
-from .op_vocab import writes_in_place
+from .emitter import erase_unused, mutates
 
 FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
 META = "cp_compile_flex"  # node.meta key of the parsed FlexSpec
@@ -247,7 +246,7 @@ def _erase_slice(graph: fx.Graph, roots: List[fx.Node]) -> None:
     while changed:  # drop members read from outside the set, until none is
         changed = False
         for n in list(members):
-            writes_outside = _mutates(n) and not (n.args and n.args[0] in members)
+            writes_outside = mutates(n) and not (n.args and n.args[0] in members)
             if writes_outside or any(u not in members for u in n.users):
                 members.discard(n)
                 changed = True
@@ -256,12 +255,8 @@ def _erase_slice(graph: fx.Graph, roots: List[fx.Node]) -> None:
             graph.erase_node(n)
 
 
-def _mutates(node: fx.Node) -> bool:
-    return writes_in_place(node) or node.is_impure()
-
-
 def _writes_into(user: fx.Node, node: fx.Node) -> bool:
-    return user.op in ("call_function", "call_method") and _mutates(user) and bool(user.args) \
+    return user.op in ("call_function", "call_method") and mutates(user) and bool(user.args) \
         and user.args[0] is node
 
 

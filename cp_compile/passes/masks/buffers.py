@@ -121,7 +121,7 @@ def _evaluate(node: fx.Node, memo: Dict[fx.Node, _Value], leaves: List[fx.Node])
         leaves.append(node)
     elif node.op not in ("call_function", "call_method"):
         raise NotConstant(f"{node.name} is a {node.op}")
-    elif _impure(node) and not (_writes(node) and _private_write(node)):
+    elif _impure(node) and not (writes_in_place(node) and _private_write(node)):
         raise NotConstant(f"{node.name} ({_name(node)}) is random, in place on a shared value, or has effects")
     elif _symbolic_slice(node):
         val = _prefix(node, memo, leaves)
@@ -166,7 +166,7 @@ def _call(node: fx.Node, memo: Dict[fx.Node, _Value], leaves: List[fx.Node]) -> 
     if prefix and not ((is_elementwise(node) or _name(node) in _CORNER_SAFE) and len(prefix) == len(vals)
                        and len({tuple(v.value.shape) for v in prefix}) == 1):
         raise NotConstant(f"{node.name} ({_name(node)}) combines a slice of symbolic length with other values")
-    if _writes(node) and not _unshared(node.args[0], memo):
+    if writes_in_place(node) and not _unshared(node.args[0], memo):
         raise NotConstant(f"{node.name} ({_name(node)}) writes to memory another value shares")
     if not prefix:
         _check_size(node, leaves)
@@ -217,7 +217,7 @@ def _impure(node: fx.Node) -> bool:
     target, name = node.target, _name(node)
     if getattr(target, "__module__", None) == "_operator":
         return target in IN_PLACE_OPERATORS
-    if _RANDOM.search(name) or (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs:
+    if _RANDOM.search(name) or writes_in_place(node) or "out" in node.kwargs:
         return True
     try:
         return node.op == "call_function" and node.is_impure(impure_random=True)
@@ -260,15 +260,12 @@ def _mutated(leaf: fx.Node) -> bool:
                 continue
             first = user.args[0] if user.args and isinstance(user.args[0], fx.Node) else None
             out = user.kwargs.get("out")
-            if (first in aliases and _writes(user)) or (isinstance(out, fx.Node) and out in aliases):
+            if (first in aliases and writes_in_place(user)) or (isinstance(out, fx.Node) and out in aliases):
                 return True
             if first in aliases and _name(user) in ALIASING and user not in aliases:
                 aliases.add(user)
                 todo.append(user)
     return False
-
-
-_writes = writes_in_place  # in place on its first argument: ``x.add_(..)``, ``x[i] = ..``, ``x += ..``
 
 
 def _check_size(node: fx.Node, leaves: List[fx.Node]) -> None:
