@@ -181,13 +181,15 @@ def command() -> str:
     return " ".join([".venv/bin/python", script, *map(shlex.quote, sys.argv[1:])])
 
 
-def write_result(name: str, data: Dict[str, Any], started: float, args: Optional[Any] = None) -> str:
-    """Write ``benchmarks/results/<name>.json`` with the data, command, machine and wall time."""
-    os.makedirs(RESULTS, exist_ok=True)
+def write_result(name: str, data: Dict[str, Any], started: float, args: Optional[Any] = None,
+                 path: Optional[str] = None) -> str:
+    """Write ``path`` (default ``benchmarks/results/<name>.json``) with the data, command, machine
+    and wall time since ``started`` (a ``time.perf_counter()``)."""
+    path = path or os.path.join(RESULTS, f"{name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     record = {"benchmark": name, "command": command(), "machine": machine(),
               "wall_seconds": round(time.perf_counter() - started, 1),
               "args": vars(args) if args is not None else {}, **data}
-    path = os.path.join(RESULTS, f"{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=1, default=str)
     os.replace(path + ".tmp", path)

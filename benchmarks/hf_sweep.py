@@ -20,7 +20,7 @@ architecture with no result ``--timeout`` seconds after it started (a hang) is k
 and recorded as a crash, as is one whose worker dies (segfault, abort); the driver then
 starts a fresh worker on the rest. So does a worker after an architecture whose CP run
 raised, as its process group may be left mid-collective. At the end it writes ``OUT``
-(every record, the command, versions, machine and wall time) and the table ``--docs``.
+(every record, the command, versions, machine and wall time, by ``common.write_result``) and the table ``--docs``.
 """
 
 from __future__ import annotations
@@ -247,19 +247,6 @@ def counts(records: List[Dict[str, Any]]) -> Dict[str, int]:
     return {**out, "tried": len(records), "built": len(records) - out["not built"]}
 
 
-def write_json(path: str, records: List[Dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
-    """Every record with the command, the versions, the machine and the wall time (as
-    ``common.write_result`` writes its records, so ``report.py`` can load it)."""
-    import transformers
-
-    data = {"benchmark": "hf_sweep", "command": common.command(), "machine": common.machine(),
-            "transformers": transformers.__version__, "revision": revision(), "wall_seconds": round(wall, 1),
-            "args": vars(args), "counts": counts(records), "records": records}
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
-
-
 def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
     """``docs/hf_sweep.md``: what is swept and how, the counts, then one row per architecture."""
     import torch
@@ -345,10 +332,13 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    started = time.time()
+    started = time.perf_counter()
     records = drive(args)
-    wall = time.time() - started
-    write_json(args.out, records, args, wall)
+    wall = time.perf_counter() - started
+    import transformers
+
+    common.write_result("hf_sweep", {"transformers": transformers.__version__, "revision": revision(),
+                                     "counts": counts(records), "records": records}, started, args, path=args.out)
     if args.docs != "none":
         write_docs(args.docs, records, args, wall)
     print(" ".join(f"{k}: {v}" for k, v in counts(records).items()) + f"; {wall / 60:.1f} min", flush=True)
