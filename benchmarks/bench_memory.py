@@ -10,6 +10,10 @@ Three models, the unmodified example code in ``examples/models.py`` and ``exampl
   with RoPE, SwiGLU, LM head over a 256-byte vocabulary, cross-entropy);
 * ``llama``: the example Llama of ``examples/train_demo.py`` (dim 256, 2 layers, 4/2
   heads, SwiGLU 512, vocab 1024);
+* ``llama_ac``: the same Llama with activation checkpointing, every block wrapped by
+  ``checkpoint_wrapper`` (torchtitan's full AC; the model code unchanged), so that its N = 1
+  row is the one-device AC reference and its N > 1 rows show AC + CP (``ratio_vs_no_ac``: each
+  row over the ``llama`` row of the same S and N, CP alone);
 * ``alibi``: one BLOOM-style ALiBi block (dim 256, 4 heads, GELU MLP 1024, vocab 256) whose
   causal bias ``slope_h · (k − q)`` is built in the graph from aranges and passed to SDPA as
   ``attn_mask``; the rewrite makes it a score rule of the ring op. N = 1 and 4 only. Its N = 1
@@ -50,6 +54,7 @@ INNER = "aot_eager"
 MODELS = {
     "block": dict(vocab_size=256, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=512),
     "llama": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
+    "llama_ac": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
     "alibi": dict(vocab=256, dim=256, n_layers=1, n_heads=4, batch=1),  # examples/zoo/alibi.py, causal, SDPA
 }
 
@@ -74,7 +79,13 @@ def _model(model_name: str, seq_len: int, world: int):
     from zoo import alibi
 
     if model_name != "alibi":
-        return models.llama_factory(seq_len=seq_len, batch=1, seed=0, max_seq_len=seq_len, **MODELS[model_name])
+        model, args = models.llama_factory(seq_len=seq_len, batch=1, seed=0, max_seq_len=seq_len,
+                                           **MODELS[model_name])
+        if model_name == "llama_ac":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            model.layers = type(model.layers)(checkpoint_wrapper(block) for block in model.layers)
+        return model, args
     model, args = alibi.factory(seq_len, 0, **MODELS["alibi"])
     for block in model.h if world == 1 else ():
         block.self_attention.attend = functools.partial(_alibi_one_device, block.self_attention)
@@ -96,7 +107,7 @@ def rank_step(rank: int, world: int, model_name: str, seq_len: int, inner: str) 
 def measure_all(args) -> List[Dict[str, Any]]:
     """Every (model, S, N) configuration, each in fresh processes."""
     configs = [("block", s, n) for s in args.seq_lens for n in args.worlds]
-    configs += [("llama", s, n) for s in args.llama_seq_lens for n in args.worlds]
+    configs += [(name, s, n) for name in ("llama", "llama_ac") for s in args.llama_seq_lens for n in args.worlds]
     configs += [("alibi", s, n) for s in args.alibi_seq_lens for n in args.worlds if n in (1, 4)]
     rows = []
     for i, (model_name, s, n) in enumerate(configs, 1):
@@ -124,6 +135,11 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
             continue
         r["ratio_above"] = r["peak_above_mib"] / base["peak_above_mib"]
         r["ratio_rss"] = r["peak_rss_mib"] / base["peak_rss_mib"]
+    plain = {(r["seq_len"], r["world"]): r for r in rows if r["model"] == "llama" and "error" not in r}
+    for r in rows:  # AC (+ CP) against the same CP without AC
+        other = plain.get((r["seq_len"], r["world"]))
+        if r["model"] == "llama_ac" and other is not None and "error" not in r:
+            r["ratio_vs_no_ac"] = r["peak_above_mib"] / other["peak_above_mib"]
 
 
 def longest_under_cap(rows: List[Dict[str, Any]], cap_mib: float) -> List[Dict[str, Any]]:
@@ -152,7 +168,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq-lens", type=common.int_list, default=common.int_list("4k,8k,16k"),
                    help="block model sequence lengths (default 4k,8k,16k; add 32k for the issue's full range)")
     p.add_argument("--llama-seq-lens", type=common.int_list, default=common.int_list("16k"),
-                   help="example-Llama sequence lengths (default 16k)")
+                   help="example-Llama sequence lengths, with and without activation checkpointing (default 16k)")
     p.add_argument("--alibi-seq-lens", type=common.int_list, default=common.int_list("8k"),
                    help="ALiBi block (examples/zoo/alibi.py) sequence lengths, N = 1 and 4 (default 8k)")
     p.add_argument("--worlds", type=common.int_list, default=[1, 2, 4], help="CP sizes (default 1,2,4)")

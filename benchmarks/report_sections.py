@@ -24,11 +24,15 @@ def memory(r: Rec) -> str:
     rows = []
     for x in r["rows"]:
         if "error" in x:
-            rows.append([x["model"], x["seq_len"], x["world"], "failed: " + x["error"], "", "", ""])
+            rows.append([x["model"], x["seq_len"], x["world"], "failed: " + x["error"], "", "", "", ""])
             continue
         rows.append([x["model"], x["seq_len"], x["world"], _f(x["peak_above_mib"], 1), _f(x.get("ratio_above", 1)),
-                     _f(x["peak_rss_mib"], 1), _f(x.get("ratio_rss", 1))])
-    text = _table(["model", "S", "N", "peak above baseline (MiB, max rank)", "× N=1", "peak RSS (MiB)", "× N=1"], rows)
+                     _f(x["peak_rss_mib"], 1), _f(x.get("ratio_rss", 1)),
+                     _f(x["ratio_vs_no_ac"]) if "ratio_vs_no_ac" in x else ""])
+    text = _table(["model", "S", "N", "peak above baseline (MiB, max rank)", "× N=1", "peak RSS (MiB)", "× N=1",
+                   "× same N without AC"], rows)
+    text += ("\n\n``llama_ac``: the example Llama with every block in ``checkpoint_wrapper`` (full activation "
+             "checkpointing); its × N=1 is against its own N = 1 row (both with AC).")
     cap = [[c["model"], c["world"], f"{c['longest_seq_len']:,}", _f(c["mib_per_1k_tokens"], 2),
             _f(c["intercept_mib"], 0), _f(c["max_fit_residual_mib"], 1), f"{c['measured_up_to']:,}"] for c in r["cap"]]
     if cap:

@@ -146,6 +146,10 @@ def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, 
     return _GatherSeq.apply(x, dim, order, inverse, world, group_name)
 
 
+# The functions above that send or receive in the forward (a checkpointed region saves their results
+# rather than recomputing them in the backward: cp_compile.passes.regions).
+COMMUNICATING = (all_reduce_sum, gather_seq)
+
 # Every function above that the rewrite emits as a graph node (see :mod:`cp_compile.backend.aot_cache`).
 GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq,
                    additive_mask)  # the last: an explicit attention mask for the ring op (passes/masks/rows.py)

@@ -5,8 +5,8 @@
 SDPA), and hand-written attention ``softmax(q @ kᵀ) @ v`` whose S x S weights are used
 elsewhere stays as written (passes/fuse_attention.py turns every other one into SDPA):
 neither is ``scaled_dot_product_attention``, so the graph gets no context parallelism. Nor
-does SDPA inside the body of a higher-order op (an activation-checkpointed region), which
-the passes do not enter yet.
+does SDPA inside a control-flow body (``torch.cond``), which the passes do not enter
+(activation-checkpointed regions they open: tests/test_checkpointed.py).
 The backend says so with a WARNING naming the op, its source line and the fix (once per
 line), ``strict=True`` refuses it, and ``cp-compile explain`` prints the same finding
 from the same pass. The numbers stay the single-device ones.
@@ -51,9 +51,9 @@ class ByHand(nn.Module):
         return (weights @ v).square().mean() + weights.square().mean()
 
 
-class Checkpointed(nn.Module):
-    """SDPA inside an activation-checkpointed region, which Dynamo keeps as a higher-order op
-    (``tag_activation_checkpoint``) with the region as its body."""
+class Branching(nn.Module):
+    """SDPA inside the branches of ``torch.cond``, which Dynamo keeps as a higher-order op with a
+    body per branch (control flow: ring_cp opens checkpointed regions, not these)."""
 
     def __init__(self, dim: int = 16) -> None:
         super().__init__()
@@ -65,13 +65,15 @@ class Checkpointed(nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(self.attend, self.qkv(x), use_reentrant=False).square().mean()
+        qkv = self.qkv(x)
+        out = torch.cond(x.sum() > 0, self.attend, lambda t: self.attend(t * 2), (qkv,))
+        return out.square().mean()
 
 
 def _model(name: str):
     torch.manual_seed(0)
     model = {"nn.MultiheadAttention weights": WeightsUsed, "hand-written": ByHand,
-             "checkpointed": Checkpointed}[name]()
+             "torch.cond": Branching}[name]()
     return model, (torch.randn(2, 16, 16),)
 
 
@@ -92,7 +94,7 @@ def _run(name: str, strict: bool) -> dict:
     return {"warnings": warnings, "err": err}
 
 
-NAMES = ["nn.MultiheadAttention weights", "hand-written", "checkpointed"]
+NAMES = ["nn.MultiheadAttention weights", "hand-written", "torch.cond"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -33,6 +33,7 @@ from ..passes.grad_share import share_parameter_grads
 from ..passes.loss_shift import move_loss_slices
 from ..passes.nested import refuse_nested_tensors
 from ..passes.rewrite import rewrite_graph
+from ..passes.regions import checkpoint_regions, inline_regions
 from ..passes.repropagate import repropagate
 from ..passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
 from ..passes.seq_origins import choose_seq_origins
@@ -82,6 +83,7 @@ class RingCP:
         # Recorded only once the inner compiler returns: Dynamo may abandon a compile and
         # restart it (e.g. TensorifyScalarRestartAnalysis under dynamic=True), calling us twice.
         if new_gm is None:
+            checkpoint_regions(gm, ctx.regions)  # compiled unchanged, still checkpointed
             shared = share_parameter_grads(gm, example_inputs, ctx)
             if shared is None:
                 log.info("cp_compile: no attention in this graph: compiling it unchanged")
@@ -94,6 +96,7 @@ class RingCP:
             self.records.append(ctx.record)
         else:
             _set_ring_timeout(new_gm, opts.timeout)
+            checkpoint_regions(new_gm, ctx.regions)  # recomputed in the backward, the ring's results saved
             compiled = _hand_off(opts.inner, inner, new_gm, example_inputs, same_on_every_rank=not ctx.shard_nodes)
             self.graphs.append(new_gm)
             self.fallbacks.extend(ctx.fallbacks)
@@ -155,10 +158,11 @@ def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
     if timeout is None:
         return
     fwd = torch.ops.cp_compile.ring_attention_fwd.default
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is fwd:
-            node.kwargs = {**node.kwargs, "timeout": float(timeout)}
-    gm.recompile()
+    for module in gm.modules():  # a selective-AC region's body too (passes/region_outline.py)
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.find_nodes(op="call_function", target=fwd):
+                node.kwargs = {**node.kwargs, "timeout": float(timeout)}
+            module.recompile()
 
 
 def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
@@ -168,6 +172,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     backend and by ``cp-compile dump/explain``.
     """
     refuse_nested_tensors(gm)
+    ctx.regions = inline_regions(gm)  # checkpointed regions and nested compile regions: their bodies, inlined
     expand_mha(gm, ctx)  # nn.MultiheadAttention / nn.Transformer*: its ops, ending in SDPA
     expand_fastpath(gm, ctx)  # their eval-mode fast paths (torch._transformer_encoder_layer_fwd): the same
     fuse_attention(gm, ctx)  # softmax(q @ kT * scale + mask) @ v written by hand: SDPA

@@ -53,6 +53,7 @@ class GraphRecord:
     act_bytes_local: int = 0  # every intermediate tensor of the rewritten graph, this rank
     act_bytes_global: int = 0  # the same for the original graph on one device
     masks: List[str] = field(default_factory=list)  # per ring op: its mask form and per-rank bytes (mask_forms)
+    regions: List[str] = field(default_factory=list)  # checkpointed / nested compile regions opened (passes/regions)
 
     @property
     def sharded_fraction(self) -> float:
@@ -71,13 +72,16 @@ class GraphRecord:
                 what += f"; {len(self.unsplit)} attention(s) in a form ring_cp cannot split"
             if self.whole_inputs:
                 what += f"; takes sequence-long inputs {', '.join(self.whole_inputs)}"
+            if self.regions:
+                what += f"; {len(self.regions)} region(s) opened (checkpointed or nested)"
             return what
+        regions = f"; {len(self.regions)} region(s) opened (checkpointed or nested)" if self.regions else ""
         starts = [f"input {k} (dim {d})" for k, d in self.shard_inputs.items()]
         starts += [f"{k} (dim {d})" for k, d in self.shard_nodes.items()]
         unsplit = f" ({len(self.unsplit)} more not: gathered)" if self.unsplit else ""
         return (f"{self.rings} of {len(self.attention)} attention(s) became ring attention{unsplit}; sharded from "
                 f"{', '.join(starts) or 'the attention inputs only'}; {len(self.fallbacks)} gather fallback(s); "
-                f"{self.sharded_fraction:.0%} of activation bytes held sharded")
+                f"{self.sharded_fraction:.0%} of activation bytes held sharded{regions}")
 
 
 def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: RewriteContext) -> GraphRecord:
@@ -86,7 +90,7 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
     rec = GraphRecord(world_size=ctx.group.size, attention=[(n.name, source_line(n)) for n in ctx.attention],
                       shard_inputs={names.get(k, k): d for k, d in ctx.shard_inputs.items()},
                       shard_nodes=dict(ctx.shard_nodes), fallbacks=list(ctx.fallbacks), unsplit=list(ctx.unsplit),
-                      act_bytes_global=_one_device_bytes(before, ctx))
+                      regions=[r.describe() for r in ctx.regions], act_bytes_global=_one_device_bytes(before, ctx))
     if after is None:
         rec.act_bytes_local = rec.act_bytes_global
         return rec

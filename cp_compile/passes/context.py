@@ -74,6 +74,7 @@ class RewriteContext:
     fallbacks: List[str] = field(default_factory=list)
     unsplit: List[str] = field(default_factory=list)  # attention ring_cp cannot split (passes/unsplit.py)
     record: Any = None  # the graph's cp_compile.backend.record.GraphRecord, once rewrite_for_cp is done
+    regions: List[Any] = field(default_factory=list)  # subgraph regions opened by passes/regions.py (Region)
     local_outputs: List[int] = field(default_factory=list)  # outputs="local": flat positions of shard outputs
 
     @property

@@ -34,6 +34,7 @@ from .emitter import Emitter, drop_empty_vmap_regions, erase_unused
 from .find_attention import is_sdpa
 from .rules.vmap import DECREMENT, INCREMENT
 from .layouts import GLOBAL, Global, Sharded
+from .regions import stamp_region
 from .row_select import select_rows
 from .rules.table import apply_rule
 from .graph_inputs import is_parameter_like, refuse_unknown
@@ -215,6 +216,19 @@ def _check_every_attention_is_the_ring(em: Emitter) -> None:
         )
 
 
+def _emit(em: Emitter, node: fx.Node) -> None:
+    """Emit ``node``: copied as it is when it reads nothing sharded, else by its layout rule."""
+    if not em.sharded_inputs(node) and not is_sdpa(node):  # attention on whole q/k/v: the rule indexes them
+        _refuse_random_global(node)
+        em.env[node] = em.copy(node, *em.value((node.args, node.kwargs)))
+        em.layouts[node] = GLOBAL
+        if node.name in em.ctx.shard_nodes:  # the sequence arises here (seq_origins): shard it at once
+            dim = em.ctx.shard_nodes[node.name]
+            em.env[node], em.layouts[node] = select_rows(em, node, dim), Sharded(dim)
+    else:
+        em.env[node], em.layouts[node] = apply_rule(em, node)
+
+
 def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
     em = Emitter(gm, ctx, examples)
     ids = documents_first(gm, ctx)  # load_balance="documents": the ids' construction, moved to the top
@@ -233,15 +247,9 @@ def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, t
             em.env[node], em.layouts[node] = em.copy(node, (), {}), GLOBAL
         elif _tuple_getitem(em, node):
             continue
-        elif not em.sharded_inputs(node) and not is_sdpa(node):  # attention on whole q/k/v: the rule indexes them
-            _refuse_random_global(node)
-            em.env[node] = em.copy(node, *em.value((node.args, node.kwargs)))
-            em.layouts[node] = GLOBAL
-            if node.name in ctx.shard_nodes:  # the sequence arises here (seq_origins): shard it at once
-                dim = ctx.shard_nodes[node.name]
-                em.env[node], em.layouts[node] = select_rows(em, node, dim), Sharded(dim)
         else:
-            em.env[node], em.layouts[node] = apply_rule(em, node)
+            with stamp_region(em.graph, node):  # what it emits joins node's checkpointed region
+                _emit(em, node)
     _drop_dead_code(em)
     _check_every_attention_is_the_ring(em)
     new_gm = fx.GraphModule(gm, em.graph)

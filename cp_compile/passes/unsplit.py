@@ -9,10 +9,9 @@ when it is
 * a softmax or logsumexp over a dim of length L whose input depends on a product (matmul,
   ``@``, bmm, baddbmm, einsum) of two operands that each keep a dim of length L in the product
   (the (.., L, L) scores of q and k) and each read an input or activation (not only weights);
-* a higher-order op whose body holds attention (SDPA, FlexAttention or either form above): an
-  activation-checkpointed region (``tag_activation_checkpoint``: torch.utils.checkpoint, Hugging
-  Face gradient checkpointing, ``checkpoint_wrapper``) or any other body Dynamo keeps as a
-  subgraph (``invoke_subgraph``, ...); the passes do not enter bodies yet.
+* a higher-order op whose body holds attention (SDPA, FlexAttention or either form above) and
+  that :mod:`.regions` did not open: control flow (``torch.cond``, ``torch.while_loop``, ...).
+  Activation-checkpointed regions and nested compile regions are opened before this pass runs.
 
 A weight matrix is no sequence (the vocabulary softmax of ``h @ Wᵀ`` is not attention), and
 cross-attention of two lengths is not self-attention over one sequence. Every op found is
@@ -36,8 +35,8 @@ from .graph_inputs import is_parameter_like
 from .op_vocab import BADDBMM, EINSUM, MATMUL, SDPA_TARGETS, arg, is_, tensor
 
 OPAQUE_ATTENTION = ("multi_head_attention_forward",)
-REGIONS = {"tag_activation_checkpoint": "activation checkpointing",
-           "invoke_subgraph": "torch.compiler.nested_compile_region"}
+REGIONS = {"cond": "torch.cond", "while_loop": "torch.while_loop", "map_impl": "torch.map",
+           "scan": "torch.scan"}  # checkpointed and nested compile regions are opened first (passes/regions.py)
 LOGSUMEXP = {torch.logsumexp, "logsumexp", torch.special.logsumexp}
 DEPTH = 24  # how many ops above a softmax its scores may come from the product (scales, masks, casts, views)
 FIX = ("Fix: F.scaled_dot_product_attention(q, k, v, attn_mask=..., is_causal=...) computes the same without "
@@ -179,10 +178,10 @@ def _region_why(node: fx.Node) -> Optional[str]:
         return None
     name = _name(node)
     kind = REGIONS.get(name, "a higher-order op")
-    return (f"{count} attention op(s) inside a {name} region ({kind}): ring_cp does not rewrite inside "
-            "higher-order op bodies yet. Fix: compile without it for now (activation checkpointing: "
-            "model.gradient_checkpointing_disable(), or no torch.utils.checkpoint / checkpoint_wrapper "
-            "around the attention; ring_cp already divides the activations' memory by N)")
+    return (f"{count} attention op(s) inside the body of {name} ({kind}): ring_cp opens activation-"
+            "checkpointed regions and nested compile regions, not control-flow bodies, which run once per "
+            "branch or step. Fix: compute the attention outside the control flow (a Python if/for, which "
+            "Dynamo unrolls, or the branch's result selected with torch.where)")
 
 
 def _why(node: fx.Node, data: _Data) -> Optional[str]:

@@ -96,6 +96,7 @@ def format_explain(r: Report, target: str = "") -> str:
                  "once (views hold no bytes, no reuse, backward buffers not included)")
     if ctx.record is not None:  # the record RingCP.records holds for this graph at runtime (cp_compile.backend.record)
         lines.append(f"record: {ctx.record.summary()}")
+        lines.extend(f"  region: {region}" for region in ctx.record.regions)  # passes/regions.py
     return "\n".join(lines)
 
 
