@@ -436,3 +436,89 @@ def test_gradient_accumulation_with_no_sync_equals_one_process(ranks, dp, cp):
             param_err = {n: rel(params[n], ref_params[n]) for n in ref_params}
             assert max(param_err.values()) <= TOL, (where, param_err)
             assert counts["rewritten"] >= 1 and not counts["ring_mismatches"], (where, counts)
+
+
+# ---------- FSDP2 mixed precision: bf16 parameters, fp32 gradient reduction
+
+MIXED = ["fsdp_hsdp", "fsdp_dp_allreduce"]  # grad_sync="none" (HSDP over dp x cp), "allreduce" (FSDP over dp)
+SLACK = 1e-3  # ring_cp's error may exceed twice the one-process error by this much
+
+
+def _bf16_policy():
+    """FSDP2's MixedPrecisionPolicy under test: bf16 compute parameters, fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _gpt2(dp: int):
+    """The example GPT-2 (learned positions: every op computes in the parameters' dtype; the example
+    Llama's float32 RoPE tables would promote q and k to float32 against a bf16 v, which SDPA refuses
+    eagerly too)."""
+    return models.gpt2_factory(seq_len=32, batch=dp)[0]
+
+
+def _one_process_mixed(dp: int) -> tuple:
+    """The same-precision reference: GPT-2 under FSDP2 with the same policy on a mesh of this rank
+    alone, eager, the whole global batch. (loss, {name: grad}), fp32."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    alone, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes every 1-rank group
+    model = _gpt2(dp)
+    fully_shard(model, mesh=DeviceMesh.from_group(alone, "cpu"), mp_policy=_bf16_policy())
+    loss = model(*_micro_batch(0, dp))
+    loss.backward()
+    return loss.detach().float(), {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+
+
+def _mixed(recipes: list, dp: int) -> dict:
+    """On every rank of a (dp, cp) mesh: {"one process": :func:`_one_process_mixed`, recipe: (loss
+    averaged over dp, {name: full grad}, graph counts)} with FSDP2's bf16 policy and ring_cp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {"one process": _one_process_mixed(dp)}
+    mesh = init_device_mesh("cpu", (dp, dist.get_world_size() // dp), mesh_dim_names=("dp", "cp"))
+    d = mesh.get_local_rank("dp")
+    ids, labels = _micro_batch(0, dp)
+    for recipe in recipes:
+        torch._dynamo.reset()
+        model = _gpt2(dp)
+        run, backend = _wrap(recipe, model, mesh, _bf16_policy())
+        loss = run(ids[d : d + 1], labels[d : d + 1])
+        loss.backward()
+        grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+        attentions = 1 if recipe in PER_LAYER else len(model.h)
+        out[recipe] = (_mean_over_ranks(loss), grads, _graph_counts(backend, attentions))
+    return out
+
+
+def _fp32_truth(dp: int) -> tuple:
+    """One process, eager, the unmodified fp32 GPT-2 on the global batch: (loss, {name: grad})."""
+    model = _gpt2(dp)
+    loss = model(*_micro_batch(0, dp))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _errors(loss: torch.Tensor, grads: dict, truth: tuple) -> dict:
+    """Relative error of the loss and of every gradient against the fp32 truth."""
+    true_loss, true_grads = truth
+    return {"loss": rel(loss, true_loss), **{n: rel(grads[n], g) for n, g in true_grads.items()}}
+
+
+@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)], ids=["N2_dp1_cp2", "N4_dp2_cp2"])
+def test_fsdp_bf16_mixed_precision_within_twice_the_one_process_error(ranks, dp, cp):
+    """FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with ring_cp on the (dp, cp)
+    mesh: the loss and every gradient no further from the fp32 truth than twice the same model under
+    FSDP2 with the same policy on one rank (+ SLACK). The one-process run must itself be visibly bf16."""
+    truth = _fp32_truth(dp)
+    for rank, per_recipe in enumerate(ranks.run(dp * cp, _mixed, MIXED, dp, timeout=600)):
+        one = _errors(*per_recipe["one process"], truth)
+        assert max(one.values()) > 1e-3, (rank, "the one-process run is not bf16", one)
+        for recipe in MIXED:
+            loss, grads, counts = per_recipe[recipe]
+            errs = _errors(loss, grads, truth)
+            worse = {k: (e, one[k]) for k, e in errs.items() if not e <= 2 * one[k] + SLACK}
+            assert not worse, (rank, recipe, "ring_cp error, one-process error:", worse)
+            assert counts["rewritten"] >= 1 and not counts["ring_mismatches"], (rank, recipe, counts)
