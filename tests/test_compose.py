@@ -23,6 +23,13 @@ states and RoPE tables the first computed, the last one the head without attenti
 On 2 ranks without data parallelism, graph breaks check the same share contract: the
 shares summed over cp (what DDP/FSDP does) equal every parameter's gradient.
 
+Gradient accumulation: 3 micro-batches per SGD step, the DP wrapper's reduction skipped on all but
+the last (DDP ``no_sync()``, FSDP2 ``set_requires_gradient_sync(False)``), both grad_sync modes, on
+(dp, cp) = (2, 2) and (1, 2): every micro-batch's loss, the accumulated gradients and the parameters
+after the step equal one eager process on the same global micro-batches (fp32, 1e-5 relative).
+FSDP2 mixed precision (bf16 parameters, fp32 reduction), same meshes, the example GPT-2: the loss and
+every gradient no further from the fp32 truth than twice FSDP2 with the same policy on one rank, + 1e-3.
+
 ``cp-compile explain`` (tests/checks.py, run on the unwrapped model, the CP group being the
 mesh's "cp" dim) must say what the runtime did: its record is the runtime's one record; under
 per-layer FSDP, the record of the layer graph (explain of one layer); where Dynamo splits the
@@ -31,6 +38,7 @@ one graph explain traces (DDPOptimizer, graph breaks), what explain can know of 
 
 from __future__ import annotations
 
+from typing import Any, ContextManager, Tuple
 
 import pytest
 import torch
@@ -357,7 +365,7 @@ MICRO = 3  # micro-batches per optimizer step; the wrappers synchronise on the l
 ACCUMULATE = ["ddp", "ddp_dp_allreduce", "fsdp_hsdp", "fsdp_dp_allreduce"]  # both grad_sync modes, DDP and FSDP2
 
 
-def _micro_batch(m: int, rows: int, vocab: int = 256, seq_len: int = 32) -> tuple:
+def _micro_batch(m: int, rows: int, vocab: int = 256, seq_len: int = 32) -> Tuple[torch.Tensor, torch.Tensor]:
     """Global micro-batch ``m``: (ids, pre-shifted targets), ``rows`` rows (one per dp rank), the same
     targets ignored (-100) in every row, so that the mean of the rows' means is the global mean."""
     g = torch.Generator().manual_seed(1000 + m)
@@ -380,7 +388,7 @@ def _accumulate_reference(dp: int) -> tuple:
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _sync_on(recipe: str, run, model, sync: bool):
+def _sync_on(recipe: str, run, model, sync: bool) -> ContextManager:
     """The context a micro-batch runs in: DDP's ``no_sync()`` unless ``sync``; FSDP2's
     ``set_requires_gradient_sync(sync)`` (on every FSDP unit: it recurses)."""
     from contextlib import nullcontext
@@ -444,14 +452,14 @@ MIXED = ["fsdp_hsdp", "fsdp_dp_allreduce"]  # grad_sync="none" (HSDP over dp x c
 SLACK = 1e-3  # ring_cp's error may exceed twice the one-process error by this much
 
 
-def _bf16_policy():
+def _bf16_policy() -> Any:
     """FSDP2's MixedPrecisionPolicy under test: bf16 compute parameters, fp32 gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _gpt2(dp: int):
+def _gpt2(dp: int) -> torch.nn.Module:
     """The example GPT-2 (learned positions: every op computes in the parameters' dtype; the example
     Llama's float32 RoPE tables would promote q and k to float32 against a bf16 v, which SDPA refuses
     eagerly too)."""
