@@ -55,7 +55,7 @@ SLOW = {
     "test_backend_masks.py": {"test_hf_attention_mask_with_padding_is_exact", "test_masks_under_dynamic_shapes"},
     "test_cli_graph.py": {"test_dump_backward_stage_shows_the_ring_and_every_gradient_all_reduce", "test_explain_hf_llama_packed_documents_states_the_document_ids", "test_factory_return_forms_explain_and_dump"},
     "test_cli_plan.py": {"test_module_entry_point"},
-    "test_compose.py": {"test_ddp_default_mean_over_dp_x_cp_halves_the_gradient", "test_ddp_optimizer_with_grad_sync_none_equals_one_process", "test_dp_x_cp_equals_one_process_on_the_global_batch", "test_graph_breaks_with_grad_sync_none_leave_shares_that_sum_to_the_gradient", "test_per_layer_fsdp_with_grad_sync_none_equals_one_process"},
+    "test_compose.py": {"test_ddp_default_mean_over_dp_x_cp_halves_the_gradient", "test_fsdp_bf16_mixed_precision_within_twice_the_one_process_error", "test_gradient_accumulation_with_no_sync_equals_one_process", "test_ddp_optimizer_with_grad_sync_none_equals_one_process", "test_dp_x_cp_equals_one_process_on_the_global_batch", "test_graph_breaks_with_grad_sync_none_leave_shares_that_sum_to_the_gradient", "test_per_layer_fsdp_with_grad_sync_none_equals_one_process"},
     "test_determinism.py": {"test_compiled_model_bitwise_identical_across_runs_and_ranks"},
     "test_doc_balance_backend.py": {"test_hand_written_packed_model_is_exact", "test_hf_llama_packed_is_exact", "test_the_graph_table_balances_where_zigzag_does_not"},
     "test_faults.py": {"test_backend_timeout_reaches_the_ring", "test_default_limit_is_the_process_group_timeout", "test_peer_exits_during_step_1_four_ranks", "test_peer_exits_during_step_1_two_ranks", "test_peer_raises_and_stays_alive_times_out"},
