@@ -14,7 +14,10 @@ makes them, nothing else::
    **cp_options))``: the module keeps its class, so the Trainer's introspection of
    ``forward`` and ``loss_type`` is unchanged), before the Trainer sees it.
    ``torch_compile=True`` / ``torch_compile_backend="ring_cp"`` in the arguments are accepted
-   and taken over (accelerate is then told not to compile).
+   and taken over (``args.torch_compile`` is set to False so that accelerate does not compile;
+   ``"inductor"``, what ``torch_compile=True`` alone fills in, counts as accepted: ring_cp's
+   default inner compiler is Inductor). Any other backend, or a ``torch_compile_mode``, is
+   refused naming ``cp_options={"inner": ...}``.
 2. **The same batch on the CP ranks of one DP replica.** accelerate deals batches round-robin
    over all ``world_size`` ranks; the prepared loaders' shard (accelerate's
    ``BatchSamplerShard`` / ``IterableDatasetShard``) is re-pointed to deal them over the
