@@ -153,3 +153,22 @@ def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
 def test_local_inputs_with_static_shapes_name_the_fix(ranks):
     for msg in ranks.run(2, _local_inputs, False):
         assert isinstance(msg, str) and "dynamic=True" in msg and "inputs='local'" in msg, msg
+
+
+def test_local_length_specialized_under_dynamic_names_the_cause() -> None:
+    """inputs="local" always traces dynamic, yet a local length equal to the head dim (16) shares its
+    symbol (duck sizing) and becomes that constant: the error says so, not just "use dynamic=True".
+    (A Llama block compiled on its own with S = 32 on 2 ranks; S = 48, local 24, traces symbolic.)"""
+    from cp_compile.errors import CPRewriteError
+    from cp_compile.tools.explain import inspect
+
+    model, _ = models.llama_factory(seq_len=32)
+    block, head_dim = model.layers[0], model.cfg.dim // model.cfg.n_heads
+    for local in (head_dim, head_dim + 8):
+        args = (torch.randn(2, local, model.cfg.dim), model.rope_cos[:local], model.rope_sin[:local])
+        if local != head_dim:
+            assert inspect(block, args, world_size=2, inputs="local", outputs="local").ctx.record.rings == 1
+            continue
+        with pytest.raises(CPRewriteError) as err:
+            inspect(block, args, world_size=2, inputs="local", outputs="local")
+        assert f"static local length {local}" in str(err.value) and "duck sizing" in str(err.value), err.value

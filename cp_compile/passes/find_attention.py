@@ -124,9 +124,14 @@ def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         ctx.seq_len = lens.pop()
     if ctx.attention and ctx.inputs == "local" and ctx.seq_sym is None:
         raise CPRewriteError(
-            "cp_compile: inputs='local' needs the sequence length symbolic: the traced graph only knows the "
-            "local length, and which of its constants mean 'the whole sequence' cannot be guessed. "
-            "Fix: torch.compile(..., dynamic=True) with inputs='local', or pass full batches (inputs='full')."
+            f"cp_compile: inputs='local' needs the sequence length symbolic, but the traced graph has the static "
+            f"local length {ctx.seq_len}: it only knows the local length, and which of its constants mean 'the "
+            "whole sequence' cannot be guessed. Either the model was compiled without dynamic=True, or Dynamo "
+            "specialized the length anyway: under dynamic=True a size equal to another input size shares its "
+            f"symbol (duck sizing), so a local length of {ctx.seq_len} equal to a size fixed by the weights (a "
+            "head dim, a RoPE table's width) becomes that constant. Fix: torch.compile(..., dynamic=True) with "
+            f"inputs='local', on sequences whose local length differs from the model's other sizes (not "
+            f"{ctx.seq_len}), or pass full batches (inputs='full')."
         )
     log.info("cp_compile: %d attention node(s), sequence length %d", len(ctx.attention), ctx.seq_len)
     return gm

@@ -176,14 +176,16 @@ def class_loss(em, node: fx.Node):
     local = em.call(node.target, em.env[inp], new_tgt, **kwargs, reduction="none" if reduction == "none" else "sum")
     if reduction == "none":
         return local, Sharded(td, s.inner)
-    total = _global_sum(em, local)
-    if reduction == "sum":
-        return total, GLOBAL
-    if kwargs.get("weight") is not None:
+    if kwargs.get("weight") is not None and reduction == "mean":
         return em.fallback(node, f"{node.target.__name__} with class weights and mean reduction")
-    valid = em.method("sum", em.call(operator.ne, new_tgt, kwargs["ignore_index"]))
-    count = _global_sum(em, em.method("to", valid, torch.float32))
-    return em.call(operator.truediv, total, em.method("to", count, global_dtype(node))), GLOBAL
+    dtype = global_dtype(node)
+    wide = dtype in (torch.bfloat16, torch.float16)  # the ranks' sums and the division in fp32, rounded once
+    total = _global_sum(em, em.method("float", local) if wide else local)
+    if reduction == "mean":
+        valid = em.method("sum", em.call(operator.ne, new_tgt, kwargs["ignore_index"]))
+        count = _global_sum(em, em.method("to", valid, torch.float32))
+        total = em.call(operator.truediv, total, count if wide else em.method("to", count, dtype))
+    return (em.method("to", total, dtype) if wide else total), GLOBAL
 
 
 def global_dtype(node: fx.Node) -> torch.dtype:
