@@ -38,8 +38,6 @@ one graph explain traces (DDPOptimizer, graph breaks), what explain can know of 
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Tuple
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,10 +46,10 @@ import models
 
 import cp_compile
 from checks import explain_record, pieces_mismatches, rel, ring_mismatches
+from compose_kit import LR, grads_then_step, graph_counts, mean_over_ranks, wrap
 
 DP, CP = 2, 2
 TOL = 1e-5
-LR = 0.1
 # dim 128, 3 layers, vocab 2048, tied embedding: 2.1 MB of parameters, split by DDPOptimizer
 # (bucket_cap_mb=1) into embedding + layer 0 attention | the rest of the layers | head + loss.
 SPLIT_MODEL = {"dim": 128, "n_layers": 3, "vocab_size": 2048, "tie_embeddings": True}
@@ -76,78 +74,9 @@ def _reference(model_kw: dict):
     return loss.detach(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _sum_then_divide(state, bucket):
-    """DDP comm hook: all-reduce SUM of the bucket over ``group``, divided by ``factor``
-    (DDP's default hook divides by the group size)."""
-    group, factor = state
-    buf = bucket.buffer().div_(factor)
-    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-def _blocks(model) -> torch.nn.ModuleList:
-    """The transformer blocks of an example model (Llama's ``layers``, GPT-2's ``h``)."""
-    return model.layers if hasattr(model, "layers") else model.h
-
-
-def _wrap(recipe: str, model, mesh, mp_policy=None):
-    """Apply ``recipe`` to ``model``; returns (the callable to run, the RingCP backend).
-    ``mp_policy``: FSDP2's MixedPrecisionPolicy for the FSDP recipes (None: FSDP2's default)."""
-    from functools import partial
-
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if mp_policy is not None:
-        fully_shard = partial(fully_shard, mp_policy=mp_policy)
-    sync = "allreduce" if recipe.endswith("allreduce") else "none"
-    backend = cp_compile.RingCP(inner="aot_eager", mesh=mesh, grad_sync=sync)  # ring_cp uses the "cp" dim
-    if recipe == "fsdp_hsdp":  # replicate over dp, shard over cp; one reduction sums over both
-        fully_shard(model, mesh=mesh)
-        model.set_gradient_divide_factor(float(mesh.size(0)))  # sum over dp x cp, / dp
-        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (NCCL does)
-    elif recipe == "fsdp_flat":  # shard over all dp x cp ranks
-        fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))
-        model.set_gradient_divide_factor(float(mesh.size(0)))
-        model.set_force_sum_reduction_for_comms(True)
-    elif recipe.startswith("fsdp_per_layer"):  # HSDP per layer: FSDP's hooks break the graph
-        for module in (*_blocks(model), model):
-            fully_shard(module, mesh=mesh)
-        for module in (*_blocks(model), model):  # these settings act on one unit each
-            module.set_gradient_divide_factor(float(mesh.size(0)))
-            module.set_force_sum_reduction_for_comms(True)
-        if recipe == "fsdp_per_layer":
-            # FSDP's hooks break the graph inside Llama.forward's loop, so Dynamo runs that forward
-            # eagerly and compiles only the modules it calls that have Python frames of their own
-            # (the layers, RMSNorm): the built-in nn.Embedding and nn.Linear must be compiled too.
-            model.tok_emb = torch.compile(model.tok_emb, backend=backend)
-            model.lm_head = torch.compile(model.lm_head, backend=backend)
-    elif recipe == "fsdp_dp_allreduce":  # per-layer FSDP over dp; ring_cp sums over cp
-        for layer in _blocks(model):
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    elif recipe.startswith("ddp"):  # compile the inner module: DDP's own forward does not trace
-        model.compile(backend=backend, fullgraph=True)
-        if recipe == "ddp_dp_allreduce":
-            return DDP(model, process_group=mesh.get_group("dp")), backend
-        group = mesh["dp", "cp"]._flatten("dp_cp").get_group()
-        ddp = DDP(model, process_group=group, bucket_cap_mb=1 if recipe == "ddp_optimizer" else 25)
-        if recipe in ("ddp", "ddp_optimizer"):
-            ddp.register_comm_hook((group, float(mesh.size(0))), _sum_then_divide)
-        return ddp, backend
-    else:
-        raise ValueError(recipe)
-    per_layer = recipe.startswith("fsdp_per_layer") or recipe == "fsdp_dp_allreduce"  # FSDP's hooks break the graph
-    return torch.compile(model, backend=backend, fullgraph=not per_layer), backend
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP) gathered whole; a plain tensor (DDP) as is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _compose(recipe: str, model_kw: dict):
     """On every rank: (loss averaged over dp, {name: full grad}, {name: full param after SGD},
-    the graph counts of :func:`_graph_counts`)."""
+    the graph counts of :func:`graph_counts`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
@@ -156,32 +85,17 @@ def _compose(recipe: str, model_kw: dict):
     d = mesh.get_local_rank("dp")
     ids, labels = ids[d : d + 1], labels[d : d + 1]  # this dp rank's row; both cp ranks pass it whole
     explained = None if recipe == "fsdp_per_layer_model" else _explain(recipe, model, ids, labels, mesh)  # refused
-    run, backend = _wrap(recipe, model, mesh)
+    run, backend = wrap(recipe, model, mesh)
     # DDPOptimizer (Dynamo's default under DDP) splits the graph at DDP bucket boundaries:
     # on only where a recipe tests it.
     with torch._dynamo.config.patch(optimize_ddp=recipe == "ddp_optimizer"):
         loss = run(ids, labels)
         loss.backward()
     _check_records(recipe, backend.records, explained)
-    grads, params = _grads_then_step(model)
+    grads, params = grads_then_step(model)
     # one attention a layer; under per-layer FSDP one compiled layer graph serves every layer
     attentions = 1 if recipe in PER_LAYER else len(model.layers)
-    return _mean_over_ranks(loss), grads, params, _graph_counts(backend, attentions)
-
-
-def _grads_then_step(model) -> tuple:
-    """({name: full grad}, {name: full param after one SGD step}) of a wrapped model."""
-    named = [(n.replace("._orig_mod", ""), p) for n, p in model.named_parameters()]  # torch.compile'd submodules
-    grads = {n: _full(p.grad).clone() for n, p in named}
-    torch.optim.SGD(model.parameters(), lr=LR).step()
-    return grads, {n: _full(p.detach()).clone() for n, p in named}
-
-
-def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
-    """Each dp row's loss is on its CP ranks: the mean over all ranks is the mean over dp (fp32)."""
-    loss = loss.detach().float().clone()
-    dist.all_reduce(loss)
-    return loss / dist.get_world_size()
+    return mean_over_ranks(loss), grads, params, graph_counts(backend, attentions)
 
 
 def _explain(recipe: str, model, ids, labels, mesh):
@@ -209,14 +123,6 @@ def _check_records(recipe: str, records: list, explained) -> None:
         assert not pieces_mismatches(records, explained), (pieces_mismatches(records, explained), records)
     else:
         assert records == [explained], (records, explained)
-
-
-def _graph_counts(backend, attentions: int) -> dict:
-    """Graphs ring_cp rewrote, ring attention calls in them, graphs without attention, and what of
-    "every attention (``attentions`` in the compiled code) became the ring" fails."""
-    rings = sum("ring_attention_fwd" in str(n.target) for gm in backend.graphs for n in gm.graph.nodes)
-    return {"rewritten": len(backend.graphs), "rings": rings, "plain": len(backend.no_attention),
-            "ring_mismatches": ring_mismatches(backend, attentions)}
 
 
 @pytest.fixture(scope="module")
@@ -360,173 +266,3 @@ def test_local_inputs_with_a_graph_without_attention_are_refused(ranks):
 
 
 # ---------- gradient accumulation: MICRO micro-batches per optimizer step
-
-MICRO = 3  # micro-batches per optimizer step; the wrappers synchronise on the last one only
-ACCUMULATE = ["ddp", "ddp_dp_allreduce", "fsdp_hsdp", "fsdp_dp_allreduce"]  # both grad_sync modes, DDP and FSDP2
-
-
-def _micro_batch(m: int, rows: int, vocab: int = 256, seq_len: int = 32) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Global micro-batch ``m``: (ids, pre-shifted targets), ``rows`` rows (one per dp rank), the same
-    targets ignored (-100) in every row, so that the mean of the rows' means is the global mean."""
-    g = torch.Generator().manual_seed(1000 + m)
-    ids = torch.randint(0, vocab, (rows, seq_len), generator=g)  # (rows, S)
-    ignore = torch.rand(1, seq_len, generator=g) < 0.1  # (1, S)
-    return ids, torch.cat([ids[:, 1:], ids[:, :1]], dim=1).masked_fill(ignore, -100)
-
-
-def _accumulate_reference(dp: int) -> tuple:
-    """One process, eager, the unmodified Llama: ``(loss_m / MICRO).backward()`` on each global
-    micro-batch, then one SGD step. ([loss per micro-batch], {name: grad}, {name: param after SGD})."""
-    model, _ = models.llama_factory(seq_len=32, batch=dp)
-    losses = []
-    for m in range(MICRO):
-        loss = model(*_micro_batch(m, dp))
-        (loss / MICRO).backward()
-        losses.append(loss.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=LR).step()
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _sync_on(recipe: str, run, model, sync: bool) -> ContextManager:
-    """The context a micro-batch runs in: DDP's ``no_sync()`` unless ``sync``; FSDP2's
-    ``set_requires_gradient_sync(sync)`` (on every FSDP unit: it recurses)."""
-    from contextlib import nullcontext
-
-    if recipe.startswith("ddp"):
-        return nullcontext() if sync else run.no_sync()
-    model.set_requires_gradient_sync(sync)
-    return nullcontext()
-
-
-def _accumulate(recipes: list, dp: int) -> dict:
-    """On every rank of a (dp, cp) mesh, per recipe: ([loss per micro-batch, mean over dp],
-    {name: full grad after MICRO micro-batches}, {name: full param after SGD}, graph counts)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dp, dist.get_world_size() // dp), mesh_dim_names=("dp", "cp"))
-    d = mesh.get_local_rank("dp")
-    out = {}
-    for recipe in recipes:
-        torch._dynamo.reset()
-        model, _ = models.llama_factory(seq_len=32, batch=dp)
-        run, backend = _wrap(recipe, model, mesh)
-        losses = []
-        with torch._dynamo.config.patch(optimize_ddp=False):
-            for m in range(MICRO):
-                ids, labels = _micro_batch(m, dp)
-                with _sync_on(recipe, run, model, sync=m == MICRO - 1):
-                    loss = run(ids[d : d + 1], labels[d : d + 1])  # this dp rank's row, whole
-                    (loss / MICRO).backward()
-                losses.append(_mean_over_ranks(loss))
-        grads, params = _grads_then_step(model)
-        attentions = 1 if recipe in PER_LAYER else len(model.layers)
-        out[recipe] = (losses, grads, params, _graph_counts(backend, attentions))
-    return out
-
-
-@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)], ids=["N2_dp1_cp2", "N4_dp2_cp2"])
-def test_gradient_accumulation_with_no_sync_equals_one_process(ranks, dp, cp):
-    """MICRO micro-batches per step, the DP wrapper's reduction skipped on all but the last (DDP
-    ``no_sync()``, FSDP2 ``set_requires_gradient_sync(False)``). grad_sync="allreduce": ring_cp's sum
-    over cp runs in every backward, on that micro-batch's gradient, before autograd accumulates it.
-    grad_sync="none": each rank accumulates its CP share; the final synced reduction sums the
-    accumulated shares. Either way: every micro-batch's loss, the accumulated gradients and the
-    parameters after the step are the one-process run's on the same global micro-batches."""
-    ref_losses, ref_grads, ref_params = _accumulate_reference(dp)
-    for rank, per_recipe in enumerate(ranks.run(dp * cp, _accumulate, ACCUMULATE, dp, timeout=600)):
-        for recipe, (losses, grads, params, counts) in per_recipe.items():
-            where = (rank, recipe)
-            assert max(rel(a, b) for a, b in zip(losses, ref_losses)) <= TOL, (where, losses, ref_losses)
-            assert set(grads) == set(ref_grads), where
-            grad_err = {n: rel(grads[n], ref_grads[n]) for n in ref_grads}
-            assert max(grad_err.values()) <= TOL, (where, grad_err)
-            param_err = {n: rel(params[n], ref_params[n]) for n in ref_params}
-            assert max(param_err.values()) <= TOL, (where, param_err)
-            assert counts["rewritten"] >= 1 and not counts["ring_mismatches"], (where, counts)
-
-
-# ---------- FSDP2 mixed precision: bf16 parameters, fp32 gradient reduction
-
-MIXED = ["fsdp_hsdp", "fsdp_dp_allreduce"]  # grad_sync="none" (HSDP over dp x cp), "allreduce" (FSDP over dp)
-SLACK = 1e-3  # ring_cp's error may exceed twice the one-process error by this much
-
-
-def _bf16_policy() -> Any:
-    """FSDP2's MixedPrecisionPolicy under test: bf16 compute parameters, fp32 gradient reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def _gpt2(dp: int) -> torch.nn.Module:
-    """The example GPT-2 (learned positions: every op computes in the parameters' dtype; the example
-    Llama's float32 RoPE tables would promote q and k to float32 against a bf16 v, which SDPA refuses
-    eagerly too)."""
-    return models.gpt2_factory(seq_len=32, batch=dp)[0]
-
-
-def _one_process_mixed(dp: int) -> tuple:
-    """The same-precision reference: GPT-2 under FSDP2 with the same policy on a mesh of this rank
-    alone, eager, the whole global batch. (loss, {name: grad}), fp32."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    alone, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes every 1-rank group
-    model = _gpt2(dp)
-    fully_shard(model, mesh=DeviceMesh.from_group(alone, "cpu"), mp_policy=_bf16_policy())
-    loss = model(*_micro_batch(0, dp))
-    loss.backward()
-    return loss.detach().float(), {n: _full(p.grad).clone() for n, p in model.named_parameters()}
-
-
-def _mixed(recipes: list, dp: int) -> dict:
-    """On every rank of a (dp, cp) mesh: {"one process": :func:`_one_process_mixed`, recipe: (loss
-    averaged over dp, {name: full grad}, graph counts)} with FSDP2's bf16 policy and ring_cp."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    out = {"one process": _one_process_mixed(dp)}
-    mesh = init_device_mesh("cpu", (dp, dist.get_world_size() // dp), mesh_dim_names=("dp", "cp"))
-    d = mesh.get_local_rank("dp")
-    ids, labels = _micro_batch(0, dp)
-    for recipe in recipes:
-        torch._dynamo.reset()
-        model = _gpt2(dp)
-        run, backend = _wrap(recipe, model, mesh, _bf16_policy())
-        loss = run(ids[d : d + 1], labels[d : d + 1])
-        loss.backward()
-        grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
-        attentions = 1 if recipe in PER_LAYER else len(model.h)
-        out[recipe] = (_mean_over_ranks(loss), grads, _graph_counts(backend, attentions))
-    return out
-
-
-def _fp32_truth(dp: int) -> tuple:
-    """One process, eager, the unmodified fp32 GPT-2 on the global batch: (loss, {name: grad})."""
-    model = _gpt2(dp)
-    loss = model(*_micro_batch(0, dp))
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _errors(loss: torch.Tensor, grads: dict, truth: tuple) -> dict:
-    """Relative error of the loss and of every gradient against the fp32 truth."""
-    true_loss, true_grads = truth
-    return {"loss": rel(loss, true_loss), **{n: rel(grads[n], g) for n, g in true_grads.items()}}
-
-
-@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)], ids=["N2_dp1_cp2", "N4_dp2_cp2"])
-def test_fsdp_bf16_mixed_precision_within_twice_the_one_process_error(ranks, dp, cp):
-    """FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with ring_cp on the (dp, cp)
-    mesh: the loss and every gradient no further from the fp32 truth than twice the same model under
-    FSDP2 with the same policy on one rank (+ SLACK). The one-process run must itself be visibly bf16."""
-    truth = _fp32_truth(dp)
-    for rank, per_recipe in enumerate(ranks.run(dp * cp, _mixed, MIXED, dp, timeout=600)):
-        one = _errors(*per_recipe["one process"], truth)
-        assert max(one.values()) > 1e-3, (rank, "the one-process run is not bf16", one)
-        for recipe in MIXED:
-            loss, grads, counts = per_recipe[recipe]
-            errs = _errors(loss, grads, truth)
-            worse = {k: (e, one[k]) for k, e in errs.items() if not e <= 2 * one[k] + SLACK}
-            assert not worse, (rank, recipe, "ring_cp error, one-process error:", worse)
-            assert counts["rewritten"] >= 1 and not counts["ring_mismatches"], (rank, recipe, counts)
