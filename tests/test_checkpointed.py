@@ -181,3 +181,53 @@ def test_hugging_face_gradient_checkpointing(ranks, world: int) -> None:
         assert not (bad := {k: e for k, e in r["grads"].items() if e > TOL}), (rank, bad)
         assert not r["rings"] and not r["fallbacks"], (rank, r["rings"], r["fallbacks"])
         assert len(r["regions"]) == r["attentions"] == r["ring_calls"], (rank, r["regions"], r["ring_calls"])
+
+
+class _CheckpointInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.a, x, use_reentrant=False)
+
+
+class _Nested(nn.Module):
+    """A checkpointed block inside a nested compile region (which Dynamo 2.13 inlines itself when it
+    holds a checkpoint), and a checkpoint inside a checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.b = _CheckpointInside(), nn.Linear(8, 8)
+
+    def outer(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.b, checkpoint(torch.sin, x, use_reentrant=False), use_reentrant=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.outer, self.inner(x), use_reentrant=False).sum()
+
+
+def test_nested_regions_open_fully_and_a_checkpoint_stays_one() -> None:
+    """No process group needed: the pass alone, on Dynamo's graph of :class:`_Nested`."""
+    from cp_compile.passes.regions import inline_regions, region_of
+
+    graphs: List[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_Nested(), backend=capture, fullgraph=True)(torch.randn(2, 8))
+    (gm,) = graphs
+    regions = inline_regions(gm)
+    hops = [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert not hops, hops
+    linears = [n for n in gm.graph.nodes if n.target is torch._C._nn.linear]
+    kinds = [region_of(n).kind for n in linears]
+    assert kinds == ["checkpoint", "checkpoint"], kinds  # the one inside the nested compile region too
+    assert region_of(linears[0]) is not region_of(linears[1])
+    sin = next(n for n in gm.graph.nodes if n.target is torch.sin)  # a checkpoint inside a checkpoint: the outer one
+    assert region_of(sin) is region_of(linears[1]), (region_of(sin), region_of(linears[1]))
+    assert sum(r.checkpointed for r in regions) == 2, regions

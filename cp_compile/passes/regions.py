@@ -77,13 +77,16 @@ def region_of(node: fx.Node) -> Optional[Region]:
 
 def inline_regions(gm: fx.GraphModule) -> List[Region]:
     """Copy every ``tag_activation_checkpoint`` / ``invoke_subgraph`` / ``wrap`` body into ``gm``
-    (nested ones too, the outermost region winning); return the regions, in graph order."""
+    (nested ones too: the outermost checkpointed region wins, a checkpoint inside a nested compile
+    region stays a checkpoint); return the regions, in graph order."""
     regions: List[Region] = []
     while True:
         hop = next((n for n in gm.graph.nodes if _inlinable(gm, n)), None)
         if hop is None:
             break
-        region = region_of(hop) or _new_region(gm, hop)
+        outer = region_of(hop)  # hop was copied out of another region's body
+        checkpoint = INLINED[hop.target][0] == "checkpoint"
+        region = outer if outer is not None and (outer.checkpointed or not checkpoint) else _new_region(gm, hop)
         if region not in regions:
             regions.append(region)
         _inline(gm, hop, region)
@@ -130,7 +133,7 @@ def _inline(gm: fx.GraphModule, hop: fx.Node, region: Region) -> None:
                 env[node] = gm.graph.get_attr(_adopt(gm, body, node.target))
             else:
                 env[node] = gm.graph.node_copy(node, lambda a: env[a])
-            env[node].meta.setdefault("cp_region", region)
+            env[node].meta["cp_region"] = region
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     for user in list(hop.users):
         user.replace_all_uses_with(outputs[user.args[1]])
