@@ -1,0 +1,152 @@
+"""Under ``inputs="full"``: refuse CP ranks that were given different batches.
+
+Every rank of the CP group is meant to pass the *same* full batch: the rewritten
+graph takes this rank's share of each sequence input and computes one global loss
+from all ranks' shares. A data loader that gives each rank its own batch (what a
+``DistributedSampler`` over all ranks does by default) breaks that silently: rank r
+keeps rank r's tokens of *its* batch, and the "global" loss is a mix of the ranks'
+batches, with no error anywhere.
+
+Before (2 CP ranks, a sampler over every rank)::
+
+    rank 0: model(input_ids=batch_a)  -> loss of tokens 0-15, 48-63 of batch_a
+    rank 1: model(input_ids=batch_b)     and tokens 16-47 of batch_b: one mixed loss
+
+After :func:`guard_same_batch` wraps the compiled graph, each call first fingerprints
+every per-token input (those the graph shards, and those it keeps whole and indexes by
+this rank's positions, such as labels that never reach attention; see
+:func:`cp_compile.backend.compiler.batch_inputs`), on its device (one pass over its bytes; no copy to the
+host, no Python loop), and all-gathers the (shape, fingerprint) rows over the CP group:
+one collective of a few int64 per call, before the graph runs and so before any ring
+transfer. Every rank sees every rank's rows and takes the same decision: if any
+differ, every rank raises :class:`~cp_compile.errors.BatchMismatchError` naming the
+input and the fix, and no rank is left waiting in a collective.
+
+The fingerprint (:func:`fingerprint`) is the sum, in int64 with wrap-around, of each
+element's bytes read as an integer times an odd pseudo-random weight of its position
+(splitmix64 of the row-major index). Integer sums are exact in any order, so equal
+tensors give equal fingerprints on every device and kernel; a single changed element
+always changes it (an odd weight is invertible mod 2^64), and a permutation changes it
+unless the weights collide (~2^-64). Not a cryptographic hash: it catches loader
+mistakes, not adversaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BatchMismatchError
+from ..group import CPGroup
+from ..ring.faults import RingGroup, collective_hop, wait_hop
+
+Tensor = torch.Tensor
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bytes -> an integer dtype
+_MIX = (0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
+_CACHE_ELEMENTS = 1 << 22  # position weights up to this many elements (32 MiB) are kept between calls
+
+FIX = ("Fix: give every CP rank of a data-parallel replica the same batch, e.g. a sampler over the DP "
+       "dimension only (DistributedSampler(num_replicas=dp_size, rank=dp_rank)); or declare pre-sharded "
+       "inputs with inputs='local' (each rank passes its own cp_compile.shard).")
+
+
+def position_weights(numel: int, device: torch.device) -> Tensor:
+    """(numel,) int64: an odd, pseudo-random weight per row-major position (splitmix64 of the index)."""
+    z = torch.arange(numel, dtype=torch.int64, device=device) * _MIX[0]
+    z = (z ^ (z >> 30)) * _MIX[1]
+    z = (z ^ (z >> 27)) * _MIX[2]
+    return (z ^ (z >> 31)) | 1
+
+
+def fingerprint(x: Tensor, weights: Tensor) -> Tensor:
+    """() int64: the position-weighted sum of ``x``'s elements read as integers (any dtype, any
+    strides, no copy of ``x``). ``weights``: :func:`position_weights` of ``x.numel()`` elements."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)  # (..., 2) of its real dtype
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    as_int = x.view(_INT_OF_SIZE[x.element_size()])  # the same bytes (bool -> uint8, float32 -> int32, ...)
+    return (as_int * weights.view(x.shape)).sum(dtype=torch.int64)  # int64, wraps around
+
+
+def guard_same_batch(compiled: Callable, group: CPGroup, inputs: Sequence[Tuple[int, str]],
+                     timeout: Any = None) -> Callable:
+    """``compiled`` that first checks, on every call, that every CP rank was given the same
+    values of ``inputs``, and raises :class:`BatchMismatchError` on every rank if not.
+
+    ``inputs``: (position among the compiled graph's flat arguments, forward() argument name) of
+    each per-token input. ``timeout``: seconds the collective may take (``None``: the
+    process group's own), as for the ring's waits."""
+    ring_group = RingGroup(group.pg, group.rank, group.size, timeout=timeout, phase="forward")
+    cache: Dict[Tuple[int, torch.device], Tensor] = {}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        tensors = [(args[i], name) for i, name in inputs if i < len(args) and isinstance(args[i], Tensor)]
+        if tensors and not any(_is_fake(t) for t, _ in tensors):  # the same on every rank: same graph, same args
+            check_same_batch(tensors, ring_group, cache)
+        return compiled(*args, **kwargs)
+
+    return run
+
+
+def check_same_batch(tensors: List[Tuple[Tensor, str]], group: RingGroup,
+                     cache: Dict[Tuple[int, torch.device], Tensor]) -> None:
+    """One all-gather of every rank's (shape, fingerprint) row of ``tensors``; raise on every rank
+    if the rows differ. ``cache``: position weights kept between calls, by (numel, device)."""
+    device = tensors[0][0].device
+    row = []
+    for t, _ in tensors:
+        key = (t.numel(), t.device)
+        weights = cache.get(key)
+        if weights is None:
+            weights = position_weights(t.numel(), t.device)
+            if t.numel() <= _CACHE_ELEMENTS:
+                cache[key] = weights
+        row.append(torch.tensor(t.shape, dtype=torch.int64, device=device))  # (ndim,)
+        row.append(fingerprint(t, weights).to(device).view(1))  # (1,)
+    mine = torch.cat(row)  # (K,): per input, its shape then its fingerprint
+    rows = gather_rows(mine, group).cpu()  # (N, K): one row per rank
+    if bool((rows != rows[0]).any()):
+        raise BatchMismatchError(_message(tensors, rows))
+
+
+def gather_rows(mine: Tensor, group: RingGroup) -> Tensor:
+    """(N, K) int64: every rank's ``mine`` (K,), rank-major; the guard's one collective."""
+    rows = torch.empty(group.size * mine.numel(), dtype=torch.int64, device=mine.device)
+    work = dist.all_gather_single(rows, mine, group=group.pg, async_op=True)
+    wait_hop(collective_hop(work, group, "batch check", "all-gathering every rank's batch fingerprints", step=-1))
+    return rows.view(group.size, mine.numel())
+
+
+def _message(tensors: List[Tuple[Tensor, str]], rows: Tensor) -> str:
+    """The error: which inputs differ between which ranks, why it matters, and the fix."""
+    diffs, at = [], 0
+    for t, name in tensors:
+        width = t.dim() + 1
+        cols = rows[:, at:at + width]
+        at += width
+        differ = [r for r in range(rows.shape[0]) if not torch.equal(cols[r], cols[0])]
+        if not differ:
+            continue
+        shapes = {tuple(c[:-1].tolist()) for c in cols}
+        what = "shapes " + ", ".join(f"rank {r} {tuple(c[:-1].tolist())}" for r, c in enumerate(cols)) \
+            if len(shapes) > 1 else "contents"
+        diffs.append(f"'{name}' (ranks {differ} differ from rank 0 in {what})")
+    return (
+        f"cp_compile: the ranks of the CP group were given different batches: {'; '.join(diffs)}. With "
+        "inputs='full' every CP rank must pass the same whole batch: each rank computes its share of the "
+        "sequence and the loss is summed over the ranks, so different batches would give one loss mixed "
+        f"from all of them, silently. {FIX} (check_batch=False turns this check off.)"
+    )
+
+
+def _is_fake(t: Tensor) -> bool:
+    """Fake or meta tensors (DDPOptimizer runs each compiled piece on fake tensors at compile time):
+    no bytes to compare."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.is_meta
