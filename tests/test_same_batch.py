@@ -19,7 +19,7 @@ import torch.distributed as dist
 import models
 
 import cp_compile
-from checks import grad_errors, loss_through_ring_cp, rel
+from checks import AttentionCount, grad_errors, rel, ring_mismatches
 from cp_compile.backend import batch_guard
 from cp_compile.errors import BatchMismatchError
 
@@ -70,10 +70,15 @@ def _mismatches_counted(calls: List[int]) -> Dict[str, Any]:
     rank = dist.get_rank()
     ref_model, (ids, labels) = models.llama_factory(**SMALL)
     cp_model, _ = models.llama_factory(**SMALL)
-    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (ids, labels))
-    res: Dict[str, Any] = {"loss": rel(out.detach(), ref.detach()), "grad": max(grad_errors(cp_model, ref_model).values()),
-                           "gathers": calls[0]}
+    with AttentionCount() as count:
+        ref = ref_model(ids, labels)
+    ref.backward()
+    backend = cp_compile.RingCP(inner="aot_eager")
     compiled = torch.compile(cp_model, backend=backend, fullgraph=True)
+    out = compiled(ids, labels)
+    out.backward()
+    res: Dict[str, Any] = {"loss": rel(out.detach(), ref.detach()), "grad": max(grad_errors(cp_model, ref_model).values()),
+                           "rings": ring_mismatches(backend, count.calls), "gathers": calls[0]}
     perm = torch.randperm(ids.shape[1], generator=torch.Generator().manual_seed(1))  # (S,): the same tokens, moved
     cases = {
         "different": _other_batch(seed=rank),  # rank 0 keeps the batch, every other rank has its own
@@ -90,7 +95,7 @@ def _mismatches_counted(calls: List[int]) -> Dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_given_different_batches_all_raise_naming_the_input_and_the_fix(ranks, world):
     for rank, res in enumerate(ranks.run(world, _mismatches, timeout=240)):
-        assert res["loss"] <= TOL and res["grad"] <= TOL, (rank, res)  # the same batch: exact
+        assert res["loss"] <= TOL and res["grad"] <= TOL and not res["rings"], (rank, res)  # the same batch: exact
         assert res["gathers"] == 1, (rank, res)  # one collective for the one call
         for case in ("different", "labels", "permuted"):
             kind, msg = res[case]
