@@ -188,3 +188,39 @@ def test_fingerprint_sees_every_change_on_any_dtype_and_strides():
         y = x.clone()
         y.view(-1)[7] = ~y.view(-1)[7] if y.dtype == torch.bool else y.view(-1)[7] + 1
         assert fp(x) == fp(x.clone()) and fp(x) != fp(y), x.dtype
+
+
+def test_message_names_differing_shapes_and_only_the_inputs_that_differ(monkeypatch):
+    """One process, the all-gather replaced by the rows 2 ranks would send: rank 1's input_ids are
+    longer, the labels agree."""
+    ids, labels = torch.zeros(2, 64, dtype=torch.int64), torch.ones(2, 64, dtype=torch.int64)
+    group = batch_guard.RingGroup(None, 0, 2)
+
+    def two_ranks(mine: torch.Tensor, group: Any) -> torch.Tensor:  # (2, L): rank 1 says (2, 96)
+        other = mine.clone()
+        other[1], other[-2] = 96, 12345
+        return torch.stack([mine, other])
+
+    monkeypatch.setattr(batch_guard, "gather_rows", two_ranks)
+    with pytest.raises(BatchMismatchError) as e:
+        batch_guard.check_same_batch([(ids, "input_ids"), (labels, "labels")], group, {})
+    msg = str(e.value)
+    assert "'input_ids' (ranks [1] differ from rank 0 in shapes rank 0 (2, 64), rank 1 (2, 96))" in msg, msg
+    assert "'labels'" not in msg and FIX in msg, msg
+
+
+def test_guard_skips_activations_and_fake_tensors(monkeypatch):
+    """Inputs that require a gradient (activations of earlier code) and fake tensors (DDPOptimizer
+    runs pieces on them at compile time) are not checked; other tensor inputs are, by position."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    checked: List[List[str]] = []
+    monkeypatch.setattr(batch_guard, "check_same_batch", lambda ts, g, c: checked.append([n for _, n in ts]))
+    group = cp_compile.group.CPGroup(pg=None, rank=0, size=2)
+    run = batch_guard.guard_same_batch(lambda *a: len(a), group, [(0, "input_ids"), (2, "hidden"), (3, "n")])
+    ids, hidden = torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, 8, 4, requires_grad=True)
+    assert run(ids, torch.zeros(3), hidden, 8) == 4  # the compiled function still runs, with every argument
+    assert checked == [["input_ids"]]  # not the activation, not the int
+    with FakeTensorMode() as mode:
+        run(mode.from_tensor(ids), torch.zeros(3), hidden, 8)
+    assert checked == [["input_ids"]]

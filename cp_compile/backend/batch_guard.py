@@ -79,14 +79,18 @@ def guard_same_batch(compiled: Callable, group: CPGroup, inputs: Sequence[Tuple[
     values of ``inputs``, and raises :class:`BatchMismatchError` on every rank if not.
 
     ``inputs``: (position among the compiled graph's flat arguments, forward() argument name) of
-    each per-token input. ``timeout``: seconds the collective may take (``None``: the
-    process group's own), as for the ring's waits."""
+    each per-token input. An input that requires a gradient is skipped: it is an activation of
+    earlier code (eager code before a graph break, a DDPOptimizer piece), not data from a loader,
+    and its last bits may differ between ranks where that code is nondeterministic (GPU atomics).
+    Which inputs are checked depends only on the program, so it is the same on every rank.
+    ``timeout``: seconds the collective may take (``None``: the process group's own)."""
     ring_group = RingGroup(group.pg, group.rank, group.size, timeout=timeout, phase="forward")
     cache: Dict[Tuple[int, torch.device], Tensor] = {}
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        tensors = [(args[i], name) for i, name in inputs if i < len(args) and isinstance(args[i], Tensor)]
-        if tensors and not any(_is_fake(t) for t, _ in tensors):  # the same on every rank: same graph, same args
+        tensors = [(args[i], name) for i, name in inputs
+                   if i < len(args) and isinstance(args[i], Tensor) and not args[i].requires_grad]
+        if tensors and not any(_is_fake(t) for t, _ in tensors):
             check_same_batch(tensors, ring_group, cache)
         return compiled(*args, **kwargs)
 
@@ -95,10 +99,11 @@ def guard_same_batch(compiled: Callable, group: CPGroup, inputs: Sequence[Tuple[
 
 def check_same_batch(tensors: List[Tuple[Tensor, str]], group: RingGroup,
                      cache: Dict[Tuple[int, torch.device], Tensor]) -> None:
-    """One all-gather of every rank's (shape, fingerprint) row of ``tensors``; raise on every rank
-    if the rows differ. ``cache``: position weights kept between calls, by (numel, device)."""
+    """One all-gather of every rank's row (every input's shape, then every input's fingerprint)
+    of ``tensors``; raise on every rank if the rows differ. ``cache``: position weights kept
+    between calls, by (numel, device)."""
     device = tensors[0][0].device
-    row = []
+    prints = []
     for t, _ in tensors:
         key = (t.numel(), t.device)
         weights = cache.get(key)
@@ -106,16 +111,16 @@ def check_same_batch(tensors: List[Tuple[Tensor, str]], group: RingGroup,
             weights = position_weights(t.numel(), t.device)
             if t.numel() <= _CACHE_ELEMENTS:
                 cache[key] = weights
-        row.append(torch.tensor(t.shape, dtype=torch.int64, device=device))  # (ndim,)
-        row.append(fingerprint(t, weights).to(device).view(1))  # (1,)
-    mine = torch.cat(row)  # (K,): per input, its shape then its fingerprint
-    rows = gather_rows(mine, group).cpu()  # (N, K): one row per rank
+        prints.append(fingerprint(t, weights).to(device))
+    shapes = torch.tensor([d for t, _ in tensors for d in t.shape], dtype=torch.int64, device=device)
+    mine = torch.cat([shapes, torch.stack(prints)])  # (sum of ndims + K,)
+    rows = gather_rows(mine, group).cpu()  # (N, sum of ndims + K): one row per rank
     if bool((rows != rows[0]).any()):
         raise BatchMismatchError(_message(tensors, rows))
 
 
 def gather_rows(mine: Tensor, group: RingGroup) -> Tensor:
-    """(N, K) int64: every rank's ``mine`` (K,), rank-major; the guard's one collective."""
+    """(N, L) int64: every rank's ``mine`` (L,), rank-major; the guard's one collective."""
     rows = torch.empty(group.size * mine.numel(), dtype=torch.int64, device=mine.device)
     work = dist.all_gather_single(rows, mine, group=group.pg, async_op=True)
     wait_hop(collective_hop(work, group, "batch check", "all-gathering every rank's batch fingerprints", step=-1))
@@ -124,17 +129,16 @@ def gather_rows(mine: Tensor, group: RingGroup) -> Tensor:
 
 def _message(tensors: List[Tuple[Tensor, str]], rows: Tensor) -> str:
     """The error: which inputs differ between which ranks, why it matters, and the fix."""
-    diffs, at = [], 0
-    for t, name in tensors:
-        width = t.dim() + 1
-        cols = rows[:, at:at + width]
-        at += width
-        differ = [r for r in range(rows.shape[0]) if not torch.equal(cols[r], cols[0])]
+    diffs, at, k = [], 0, len(tensors)
+    prints = rows[:, rows.shape[1] - k:]  # (N, K)
+    for j, (t, name) in enumerate(tensors):
+        shapes = [tuple(r) for r in rows[:, at:at + t.dim()].tolist()]  # per rank
+        at += t.dim()
+        differ = [r for r in range(rows.shape[0]) if shapes[r] != shapes[0] or prints[r, j] != prints[0, j]]
         if not differ:
             continue
-        shapes = {tuple(c[:-1].tolist()) for c in cols}
-        what = "shapes " + ", ".join(f"rank {r} {tuple(c[:-1].tolist())}" for r, c in enumerate(cols)) \
-            if len(shapes) > 1 else "contents"
+        what = ("shapes " + ", ".join(f"rank {r} {s}" for r, s in enumerate(shapes))
+                if len(set(shapes)) > 1 else "contents")
         diffs.append(f"'{name}' (ranks {differ} differ from rank 0 in {what})")
     return (
         f"cp_compile: the ranks of the CP group were given different batches: {'; '.join(diffs)}. With "
