@@ -190,23 +190,53 @@ def test_fingerprint_sees_every_change_on_any_dtype_and_strides():
         assert fp(x) == fp(x.clone()) and fp(x) != fp(y), x.dtype
 
 
-def test_message_names_differing_shapes_and_only_the_inputs_that_differ(monkeypatch):
-    """One process, the all-gather replaced by the rows 2 ranks would send: rank 1's input_ids are
-    longer, the labels agree."""
-    ids, labels = torch.zeros(2, 64, dtype=torch.int64), torch.ones(2, 64, dtype=torch.int64)
-    group = batch_guard.RingGroup(None, 0, 2)
-
-    def two_ranks(mine: torch.Tensor, group: Any) -> torch.Tensor:  # (2, L): rank 1 says (2, 96)
+def _raised(monkeypatch, tensors, edit) -> str:
+    """One process, the all-gather replaced by the rows 2 ranks would send: rank 1's row is this
+    rank's with ``edit(row)`` applied. The message raised, or "" if none."""
+    def two_ranks(mine: torch.Tensor, group: Any) -> torch.Tensor:  # (2, ROW)
         other = mine.clone()
-        other[1], other[-2] = 96, 12345
+        edit(other)
         return torch.stack([mine, other])
 
     monkeypatch.setattr(batch_guard, "gather_rows", two_ranks)
-    with pytest.raises(BatchMismatchError) as e:
-        batch_guard.check_same_batch([(ids, "input_ids"), (labels, "labels")], group, {})
-    msg = str(e.value)
+    try:
+        batch_guard.check_same_batch(tensors, batch_guard.RingGroup(None, 0, 2), {})
+    except BatchMismatchError as e:
+        return str(e)
+    return ""
+
+
+def test_message_names_shapes_contents_graphs_and_only_what_differs(monkeypatch):
+    ids, labels = torch.zeros(2, 64, dtype=torch.int64), torch.ones(2, 64, dtype=torch.int64)
+    batch = [(ids, "input_ids"), (labels, "labels")]
+    prints = 2 + batch_guard.SHAPE_DIMS * batch_guard.MAX_INPUTS  # where the fingerprints start in a row
+    assert _raised(monkeypatch, batch, lambda row: None) == ""
+
+    def longer(row):
+        row[3] = 96  # input_ids (2, 96) on rank 1
+
+    msg = _raised(monkeypatch, batch, longer)
     assert "'input_ids' (ranks [1] differ from rank 0 in shapes rank 0 (2, 64), rank 1 (2, 96))" in msg, msg
     assert "'labels'" not in msg and FIX in msg, msg
+
+    def other_labels(row):
+        row[prints + 1] += 1
+
+    msg = _raised(monkeypatch, batch, other_labels)
+    assert "'labels' (ranks [1] differ from rank 0 in contents)" in msg and "'input_ids'" not in msg, msg
+
+    def other_graph(row):
+        row[0] = 3  # rank 1's graph checks three inputs
+
+    assert "the ranks compiled different graphs" in _raised(monkeypatch, batch, other_graph)
+    many = [(torch.full((2, 8), i), f"x{i}") for i in range(10)]  # more inputs than a row describes one by one
+
+    def last_differs(row):
+        row[prints + batch_guard.MAX_INPUTS - 1] += 1
+
+    msg = _raised(monkeypatch, many, last_differs)
+    assert "'x7, x8, x9' (ranks [1] differ from rank 0 in contents)" in msg, msg
+    assert batch_guard.describe(many, torch.arange(10)).shape == (batch_guard.ROW,)
 
 
 def test_guard_skips_activations_and_fake_tensors(monkeypatch):

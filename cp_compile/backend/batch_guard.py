@@ -33,6 +33,7 @@ mistakes, not adversaries.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -47,6 +48,8 @@ Tensor = torch.Tensor
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bytes -> an integer dtype
 _MIX = (0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
 _CACHE_ELEMENTS = 1 << 22  # position weights up to this many elements (32 MiB) are kept between calls
+MAX_INPUTS, SHAPE_DIMS = 8, 4  # inputs described one by one, dims shown of each shape
+ROW = 2 + MAX_INPUTS * (SHAPE_DIMS + 1)  # int64 per rank in the all-gather (42)
 
 FIX = ("Fix: give every CP rank of a data-parallel replica the same batch, e.g. a sampler over the DP "
        "dimension only (DistributedSampler(num_replicas=dp_size, rank=dp_rank)); or declare pre-sharded "
@@ -99,10 +102,8 @@ def guard_same_batch(compiled: Callable, group: CPGroup, inputs: Sequence[Tuple[
 
 def check_same_batch(tensors: List[Tuple[Tensor, str]], group: RingGroup,
                      cache: Dict[Tuple[int, torch.device], Tensor]) -> None:
-    """One all-gather of every rank's row (every input's shape, then every input's fingerprint)
-    of ``tensors``; raise on every rank if the rows differ. ``cache``: position weights kept
-    between calls, by (numel, device)."""
-    device = tensors[0][0].device
+    """One all-gather of every rank's :func:`describe` row of ``tensors``; raise on every rank if the
+    rows differ. ``cache``: position weights kept between calls, by (numel, device)."""
     prints = []
     for t, _ in tensors:
         key = (t.numel(), t.device)
@@ -111,12 +112,34 @@ def check_same_batch(tensors: List[Tuple[Tensor, str]], group: RingGroup,
             weights = position_weights(t.numel(), t.device)
             if t.numel() <= _CACHE_ELEMENTS:
                 cache[key] = weights
-        prints.append(fingerprint(t, weights).to(device))
-    shapes = torch.tensor([d for t, _ in tensors for d in t.shape], dtype=torch.int64, device=device)
-    mine = torch.cat([shapes, torch.stack(prints)])  # (sum of ndims + K,)
-    rows = gather_rows(mine, group).cpu()  # (N, sum of ndims + K): one row per rank
+        prints.append(fingerprint(t, weights).to(tensors[0][0].device))
+    rows = gather_rows(describe(tensors, torch.stack(prints)), group).cpu()  # (N, ROW): one row per rank
     if bool((rows != rows[0]).any()):
-        raise BatchMismatchError(_message(tensors, rows))
+        raise BatchMismatchError(_message([name for _, name in tensors], rows))
+
+
+def describe(tensors: List[Tuple[Tensor, str]], prints: Tensor) -> Tensor:
+    """(ROW,) int64 on ``prints``' device: the number of inputs, a crc32 of their names, then per input
+    its shape (SHAPE_DIMS dims, -1 padded; a longer shape: the crc32 of it in the last) and, last, the
+    fingerprints ``prints`` (K,); inputs past MAX_INPUTS share the last slot (a crc32 of their shapes,
+    a weighted sum of their fingerprints). A fixed length, so ranks that compiled different graphs still
+    meet in one all-gather of one size (and are told apart by the first two numbers)."""
+    shapes: List[int] = []
+    for j, (t, _) in enumerate(tensors[:MAX_INPUTS]):
+        dims = list(t.shape) if j < MAX_INPUTS - 1 or len(tensors) == MAX_INPUTS else \
+            [_crc(";".join(str(tuple(u.shape)) for u, _ in tensors[j:]))]
+        shapes += (dims + [-1] * SHAPE_DIMS)[:SHAPE_DIMS] if len(dims) <= SHAPE_DIMS else \
+            dims[:SHAPE_DIMS - 1] + [_crc(str(tuple(dims)))]
+    shapes += [-1] * (SHAPE_DIMS * MAX_INPUTS - len(shapes))
+    if prints.numel() > MAX_INPUTS:  # the rest, weighted by their order: (MAX_INPUTS,)
+        rest = prints[MAX_INPUTS - 1:] * (2 * torch.arange(prints.numel() - MAX_INPUTS + 1, device=prints.device) + 1)
+        prints = torch.cat([prints[:MAX_INPUTS - 1], rest.sum().view(1)])
+    head = torch.tensor([len(tensors), _crc(",".join(n for _, n in tensors)), *shapes], dtype=torch.int64)
+    return torch.cat([head.to(prints.device), prints, prints.new_zeros(MAX_INPUTS - prints.numel())])
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
 
 
 def gather_rows(mine: Tensor, group: RingGroup) -> Tensor:
@@ -127,19 +150,23 @@ def gather_rows(mine: Tensor, group: RingGroup) -> Tensor:
     return rows.view(group.size, mine.numel())
 
 
-def _message(tensors: List[Tuple[Tensor, str]], rows: Tensor) -> str:
+def _message(names: List[str], rows: Tensor) -> str:
     """The error: which inputs differ between which ranks, why it matters, and the fix."""
-    diffs, at, k = [], 0, len(tensors)
-    prints = rows[:, rows.shape[1] - k:]  # (N, K)
-    for j, (t, name) in enumerate(tensors):
-        shapes = [tuple(r) for r in rows[:, at:at + t.dim()].tolist()]  # per rank
-        at += t.dim()
-        differ = [r for r in range(rows.shape[0]) if shapes[r] != shapes[0] or prints[r, j] != prints[0, j]]
-        if not differ:
-            continue
-        what = ("shapes " + ", ".join(f"rank {r} {s}" for r, s in enumerate(shapes))
-                if len(set(shapes)) > 1 else "contents")
-        diffs.append(f"'{name}' (ranks {differ} differ from rank 0 in {what})")
+    if bool((rows[:, :2] != rows[0, :2]).any()):  # another number or set of inputs: another graph
+        diffs = [f"the ranks compiled different graphs (rank 0's checks inputs {names}; ranks "
+                 f"{[r for r in range(rows.shape[0]) if not torch.equal(rows[r, :2], rows[0, :2])]} other ones)"]
+    else:
+        diffs = []
+        for j in range(min(len(names), MAX_INPUTS)):
+            name = names[j] if j < MAX_INPUTS - 1 or len(names) == MAX_INPUTS else ", ".join(names[j:])
+            at = 2 + j * SHAPE_DIMS
+            shapes = [tuple(d for d in r if d != -1) for r in rows[:, at:at + SHAPE_DIMS].tolist()]  # per rank
+            prints = rows[:, 2 + SHAPE_DIMS * MAX_INPUTS + j]  # (N,)
+            differ = [r for r in range(rows.shape[0]) if shapes[r] != shapes[0] or prints[r] != prints[0]]
+            if differ:
+                what = ("shapes " + ", ".join(f"rank {r} {s}" for r, s in enumerate(shapes))
+                        if len(set(shapes)) > 1 else "contents")
+                diffs.append(f"'{name}' (ranks {differ} differ from rank 0 in {what})")
     return (
         f"cp_compile: the ranks of the CP group were given different batches: {'; '.join(diffs)}. With "
         "inputs='full' every CP rank must pass the same whole batch: each rank computes its share of the "
