@@ -24,8 +24,8 @@ timed; then ``--steps`` steps are timed (median, slowest rank); the first of the
 is also the memory step (VmHWM above the resident size before it, max over ranks;
 see ``benchmarks/common.py``). Targets: step time cp/single <= 1.05, per-rank peak
 cp/single <= 0.6, compiled/eager-hand <= 1.0, time in the batch check <= 2% of the cp step
-(the step on/off ratio is reported too: at 2% it is within the noise of a few steps). Losses are printed to show all three
-compute the same step.
+(the step on/off ratio is reported too: at 2% it is within the noise of a few steps). Losses are
+printed to show all four compute the same step.
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def _mismatches_counted(calls: List[int]) -> Dict[str, Any]:
     compiled = torch.compile(cp_model, backend=backend, fullgraph=True)
     out = compiled(ids, labels)
     out.backward()
-    res: Dict[str, Any] = {"loss": rel(out.detach(), ref.detach()), "grad": max(grad_errors(cp_model, ref_model).values()),
+    res: Dict[str, Any] = {"loss": rel(out.detach(), ref.detach()),
+                           "grad": max(grad_errors(cp_model, ref_model).values()),
                            "rings": ring_mismatches(backend, count.calls), "gathers": calls[0]}
     perm = torch.randperm(ids.shape[1], generator=torch.Generator().manual_seed(1))  # (S,): the same tokens, moved
     cases = {
