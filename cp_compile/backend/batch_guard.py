@@ -15,12 +15,16 @@ Before (2 CP ranks, a sampler over every rank)::
 After :func:`guard_same_batch` wraps the compiled graph, each call first fingerprints
 every per-token input (those the graph shards, and those it keeps whole and indexes by
 this rank's positions, such as labels that never reach attention; see
-:func:`cp_compile.backend.compiler.batch_inputs`), on its device (one pass over its bytes; no copy to the
-host, no Python loop), and all-gathers the (shape, fingerprint) rows over the CP group:
-one collective of a few int64 per call, before the graph runs and so before any ring
-transfer. Every rank sees every rank's rows and takes the same decision: if any
-differ, every rank raises :class:`~cp_compile.errors.BatchMismatchError` naming the
-input and the fix, and no rank is left waiting in a collective.
+:func:`cp_compile.backend.compiler.batch_inputs`) on its device (one pass over its bytes,
+no copy to the host, no Python loop), and all-gathers one row per rank over the CP group
+(42 int64: the inputs' count, names, shapes and fingerprints, :func:`describe`). One
+collective per call, before the graph runs and so before any ring transfer. Every rank
+sees every rank's row and takes the same decision: if any differ, every rank raises
+:class:`~cp_compile.errors.BatchMismatchError` naming the input and the fix, and no rank
+is left waiting in a collective::
+
+    rank 0: model(input_ids=batch_a)  -> BatchMismatchError: ... 'input_ids' (ranks [1] differ
+    rank 1: model(input_ids=batch_b)     from rank 0 in contents) ... Fix: ... DistributedSampler(...)
 
 The fingerprint (:func:`fingerprint`) is the sum, in int64 with wrap-around, of each
 element's bytes read as an integer times an odd pseudo-random weight of its position
