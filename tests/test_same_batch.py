@@ -175,6 +175,9 @@ def test_fingerprint_sees_every_change_on_any_dtype_and_strides():
     def fp(t: torch.Tensor) -> int:
         return int(batch_guard.fingerprint(t, batch_guard.position_weights(t.numel(), t.device)))
 
+    w = batch_guard.position_weights(200, torch.device("cpu"))
+    assert torch.equal(w[:128], batch_guard.position_weights(128, torch.device("cpu")))  # the cache serves prefixes
+    assert bool((w % 2 != 0).all()) and w.unique().numel() == 200  # odd, distinct
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (2, 64), generator=g)
     assert fp(ids) == fp(ids.t().contiguous().t()) == fp(ids.clone())  # strides do not matter

@@ -92,7 +92,7 @@ def guard_same_batch(compiled: Callable, group: CPGroup, inputs: Sequence[Tuple[
     Which inputs are checked depends only on the program, so it is the same on every rank.
     ``timeout``: seconds the collective may take (``None``: the process group's own)."""
     ring_group = RingGroup(group.pg, group.rank, group.size, timeout=timeout, phase="forward")
-    cache: Dict[Tuple[int, torch.device], Tensor] = {}
+    cache: Dict[torch.device, Tensor] = {}
 
     def run(*args: Any, **kwargs: Any) -> Any:
         tensors = [(args[i], name) for i, name in inputs
@@ -105,18 +105,18 @@ def guard_same_batch(compiled: Callable, group: CPGroup, inputs: Sequence[Tuple[
 
 
 def check_same_batch(tensors: List[Tuple[Tensor, str]], group: RingGroup,
-                     cache: Dict[Tuple[int, torch.device], Tensor]) -> None:
+                     cache: Dict[torch.device, Tensor]) -> None:
     """One all-gather of every rank's :func:`describe` row of ``tensors``; raise on every rank if the
-    rows differ. ``cache``: position weights kept between calls, by (numel, device)."""
+    rows differ. ``cache``: per device, the longest position weights so far (at most _CACHE_ELEMENTS),
+    kept between calls: any shorter input uses a prefix, so changing lengths do not grow it."""
     prints = []
     for t, _ in tensors:
-        key = (t.numel(), t.device)
-        weights = cache.get(key)
-        if weights is None:
+        weights = cache.get(t.device)
+        if weights is None or weights.numel() < t.numel():
             weights = position_weights(t.numel(), t.device)
             if t.numel() <= _CACHE_ELEMENTS:
-                cache[key] = weights
-        prints.append(fingerprint(t, weights).to(tensors[0][0].device))
+                cache[t.device] = weights
+        prints.append(fingerprint(t, weights[:t.numel()]).to(tensors[0][0].device))  # a prefix: the same weights
     rows = gather_rows(describe(tensors, torch.stack(prints)), group).cpu()  # (N, ROW): one row per rank
     if bool((rows != rows[0]).any()):
         raise BatchMismatchError(_message([name for _, name in tensors], rows))
