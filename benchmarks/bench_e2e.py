@@ -5,10 +5,14 @@
 
 The example Llama (``examples/models.py``: dim 256, 2 layers, 4/2 heads, SwiGLU 512,
 vocab 1024), batch 1, fp32, one AdamW training step (forward, backward, optimizer
-step), the same machine used three ways:
+step), the same machine used four ways:
 
 * ``cp compiled``: 2 ranks x 1 thread (gloo on 127.0.0.1), unmodified model,
   ``torch.compile(model, backend=RingCP(inner="inductor"))``, every rank passing the full batch;
+  the time spent in the same-batch check (``check_batch``, on by default: a fingerprint of
+  input_ids and labels and one all-gather per call, ``cp_compile/backend/batch_guard.py``) is
+  timed inside each step;
+* ``cp compiled, no batch check``: the same with ``check_batch=False``, run right after it;
 * ``single compiled``: 1 process x 2 threads, ``torch.compile(model, backend="inductor")``;
 * ``cp eager (hand)``: 2 ranks x 1 thread, no compiler, ``cp_compile.ring_attention``
   inserted by hand: the Llama forward re-written over this rank's zig-zag shard
@@ -19,8 +23,9 @@ Step 1 compiles (Inductor cache under ``.cache/benchmarks/inductor-e2e``) and is
 timed; then ``--steps`` steps are timed (median, slowest rank); the first of them
 is also the memory step (VmHWM above the resident size before it, max over ranks;
 see ``benchmarks/common.py``). Targets: step time cp/single <= 1.05, per-rank peak
-cp/single <= 0.6, compiled/eager-hand <= 1.0. Losses are printed to show all three
-compute the same step.
+cp/single <= 0.6, compiled/eager-hand <= 1.0, time in the batch check <= 2% of the cp step
+(the step on/off ratio is reported too: at 2% it is within the noise of a few steps). Losses are
+printed to show all four compute the same step.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
 import common
 
+CHECKED, UNCHECKED = "cp compiled", "cp compiled, no batch check"
 CFG = dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512)
 
 
@@ -80,7 +86,7 @@ def _all_reduce_grads(model) -> None:
 
 
 def make_step(mode: str, world: int, args) -> Callable[[], float]:
-    """A training-step closure for ``mode``: "cp compiled" | "single compiled" | "cp eager (hand)"."""
+    """A training-step closure for ``mode``: CHECKED | UNCHECKED | "single compiled" | "cp eager (hand)"."""
     import torch
     import torch.distributed as dist
 
@@ -94,7 +100,8 @@ def make_step(mode: str, world: int, args) -> Callable[[], float]:
         def loss_fn():
             return hand_cp_loss(model, input_ids, labels)
     else:
-        backend = cp_compile.RingCP(inner="inductor") if mode == "cp compiled" else "inductor"
+        backend = ("inductor" if mode == "single compiled" else
+                   cp_compile.RingCP(inner="inductor", check_batch=mode == CHECKED))
         compiled = torch.compile(model, backend=backend, fullgraph=True)
 
         def loss_fn():
@@ -114,19 +121,40 @@ def make_step(mode: str, world: int, args) -> Callable[[], float]:
     return step
 
 
+def time_batch_checks() -> List[float]:
+    """Wall seconds of every same-batch check from now on (``batch_guard.check_same_batch`` wrapped:
+    fingerprints, the all-gather and the comparison). Stays empty when no check runs."""
+    from cp_compile.backend import batch_guard
+
+    spent: List[float] = []
+    check = batch_guard.check_same_batch
+
+    def timed_check(*a: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            check(*a)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    batch_guard.check_same_batch = timed_check
+    return spent
+
+
 def rank_main(rank: int, world: int, mode: str, args) -> Dict[str, Any]:
     """Warm-up step, then timed steps; the first timed one also measures peak memory."""
     import torch.distributed as dist
 
     sync = dist.barrier if world > 1 else (lambda: None)
+    checks = time_batch_checks()
     step = make_step(mode, world, args)
     t0 = time.perf_counter()
     first_loss = step()
     compile_s = time.perf_counter() - t0
     sync()
     mem = common.measure_peak(step)
+    del checks[:]  # from here on: the timed steps' checks
     times = [common.timed(step, sync) for _ in range(args.steps)]
-    return {"first_step_s": compile_s, "times": times, "loss_step1": first_loss,
+    return {"first_step_s": compile_s, "times": times, "loss_step1": first_loss, "batch_checks": list(checks),
             **{k: mem[k] for k in ("peak_above_mib", "peak_rss_mib", "base_rss_mib")}}
 
 
@@ -140,7 +168,8 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(common.CACHE, "inductor-e2e"))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    runs = {"single compiled": (1, 2), "cp compiled": (2, 1), "cp eager (hand)": (2, 1)}  # mode: (ranks, threads)
+    runs = {"single compiled": (1, 2), CHECKED: (2, 1), UNCHECKED: (2, 1),  # mode: (ranks, threads)
+            "cp eager (hand)": (2, 1)}
     rows = []
     for mode, (world, threads) in runs.items():
         common.log(f"{mode}: {world} process(es) x {threads} thread(s), S={args.seq_len}")
@@ -153,7 +182,10 @@ def main(argv=None) -> None:
         rows.append({"mode": mode, "ranks": world, "threads": threads, "step_s": step_s,
                      "peak_above_mib": max(r["peak_above_mib"] for r in res),
                      "peak_rss_mib": max(r["peak_rss_mib"] for r in res),
-                     "first_step_s": max(r["first_step_s"] for r in res), "loss_step1": res[0]["loss_step1"]})
+                     "first_step_s": max(r["first_step_s"] for r in res), "loss_step1": res[0]["loss_step1"],
+                     # per step: seconds in the batch check (slowest rank) and how many checks ran
+                     "batch_check_s": common.median([max(c) for c in zip(*(r["batch_checks"] for r in res))] or [0.0]),
+                     "batch_checks_per_step": len(res[0]["batch_checks"]) / args.steps})
         common.log(f"  step {step_s:.2f} s, peak above baseline {rows[-1]['peak_above_mib']:.0f} MiB, "
                    f"loss {rows[-1]['loss_step1']:.6f}")
     by = {r["mode"]: r for r in rows if "error" not in r}
@@ -164,7 +196,11 @@ def main(argv=None) -> None:
         ratios["rss_cp_over_single"] = by["cp compiled"]["peak_rss_mib"] / by["single compiled"]["peak_rss_mib"]
     if "cp compiled" in by and "cp eager (hand)" in by:
         ratios["step_compiled_over_eager_hand"] = by["cp compiled"]["step_s"] / by["cp eager (hand)"]["step_s"]
-    common.log(" ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
+    if CHECKED in by:
+        ratios["batch_check_over_step"] = by[CHECKED]["batch_check_s"] / by[CHECKED]["step_s"]
+    if CHECKED in by and UNCHECKED in by:
+        ratios["step_check_on_over_off"] = by[CHECKED]["step_s"] / by[UNCHECKED]["step_s"]
+    common.log(" ".join(f"{k}={v:.4f}" for k, v in ratios.items()))
     common.write_result("e2e", {"rows": rows, "ratios": ratios}, started, args)
 
 

@@ -118,6 +118,13 @@ def check_e2e(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
                              f"{_f(by['cp eager (hand)']['step_s'])} s")
         out.append(("4. e2e compiled vs eager", "ring_cp (Inductor) / eager hand-inserted ring ≤ 1.0",
                     f"{_f(q['step_compiled_over_eager_hand'])}×", ok, why))
+    if "batch_check_over_step" in q:
+        ok = q["batch_check_over_step"] <= 0.02
+        on_off = f"; step on / off {_f(q['step_check_on_over_off'], 3)}×" if "step_check_on_over_off" in q else ""
+        checked = by["cp compiled"]
+        out.append(("4. e2e same-batch check", "time in the check / cp step ≤ 2%",
+                    f"{q['batch_check_over_step'] * 100:.2f}% ({checked['batch_check_s'] * 1e3:.1f} ms of "
+                    f"{_f(checked['step_s'])} s){on_off}", ok, "" if ok else "the fingerprints or the all-gather"))
     for x in r["rows"]:
         if "error" in x:
             out.append((f"4. e2e {x['mode']}", "runs", x["error"], False, ""))

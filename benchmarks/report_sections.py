@@ -115,11 +115,18 @@ def overlap(r: Rec) -> str:
 
 
 def e2e(r: Rec) -> str:
-    rows = [[x["mode"], "failed: " + x["error"], "", "", "", ""] if "error" in x else
-            [x["mode"], f"{x['ranks']}×{x['threads']}", _f(x["step_s"]), _f(x["peak_above_mib"], 1),
+    rows = [[x["mode"], "failed: " + x["error"], "", "", "", "", ""] if "error" in x else
+            [x["mode"], f"{x['ranks']}×{x['threads']}", _f(x["step_s"]), _batch_check(x), _f(x["peak_above_mib"], 1),
              _f(x["peak_rss_mib"], 1), f"{x['loss_step1']:.6f}"] for x in r["rows"]]
-    return _table(["run", "processes×threads", "step (s, median)", "peak above baseline (MiB)", "peak RSS (MiB)",
-                   "loss, step 1"], rows)
+    return _table(["run", "processes×threads", "step (s, median)", "same-batch check (ms/step)",
+                   "peak above baseline (MiB)", "peak RSS (MiB)", "loss, step 1"], rows)
+
+
+def _batch_check(x: Dict[str, Any]) -> str:
+    """The time in the same-batch check per step, or "-" where none ran (records before it: "")."""
+    if "batch_check_s" not in x:
+        return ""
+    return f"{x['batch_check_s'] * 1e3:.2f}" if x.get("batch_checks_per_step") else "-"
 
 
 def kernel(r: Rec) -> str:

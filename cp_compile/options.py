@@ -137,10 +137,18 @@ class BackendOptions:
     """The compiler the rewritten graph is handed to."""
     timeout: Optional[float] = None
     """Seconds a ring wait may take before it raises naming the peer (see :class:`RingOptions`)."""
+    check_batch: bool = True
+    """Under ``inputs="full"``: each call of a rewritten graph first checks, with one all-gather of
+    a few int64 over the CP group, that every rank was passed the same per-token inputs (a
+    fingerprint of the bytes of each input with a dim of size S: token ids, labels, masks), and raises ``BatchMismatchError`` on every rank if not
+    (a sampler over all ranks instead of the DP ranks). ``False``: no check and no collective.
+    Never runs with ``inputs="local"`` (each rank's shard differs) or a CP group of size 1."""
 
     def __post_init__(self) -> None:
         check_literals(self)
         check_timeout(self.timeout)
+        if not isinstance(self.check_batch, bool):
+            raise ValueError(f"cp_compile: check_batch must be True or False, got {self.check_batch!r}.")
         if self.load_balance == "documents" and self.inputs == "local":
             raise ValueError(
                 "cp_compile: load_balance='documents' computes each batch's layout from its document ids, but "

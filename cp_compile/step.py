@@ -51,7 +51,7 @@ def context_parallel(
         inputs: "full" (every rank passes the whole batch) or "local" (the data loader
             already called ``cp_compile.shard`` on the named arguments; they are gathered
             before the step, which is cheap for token ids and labels).
-        **options: any other ``RingCP`` option (``inner``, ``rotate``, ``outputs``, ``timeout``, ...).
+        **options: any other ``RingCP`` option (``inner``, ``rotate``, ``outputs``, ``timeout``, ``check_batch``, ...).
     """
     if inputs not in ("full", "local"):
         raise ValueError(f"cp_compile: unknown inputs {inputs!r}. Fix: use 'full' or 'local'.")

@@ -92,21 +92,28 @@ def test_ranks_with_different_arguments_all_raise(ranks):
 
 
 def _compiled_mismatch_rank_fn():
-    """The ring_cp backend where rank 1 passes a longer sequence than rank 0."""
+    """The ring_cp backend where rank 1 passes a longer sequence than rank 0: the batch check
+    (check_batch, the default) refuses it before the graph runs; without it, the ring op's own
+    check of its arguments does."""
     seq_len = 32 if dist.get_rank() == 0 else 48
     model, inputs = models.llama_factory(seq_len=seq_len)
-    compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)
+    checked = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager"), fullgraph=True)
+    batch = _catch(lambda: checked(*inputs))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=cp_compile.RingCP(inner="aot_eager", check_batch=False), fullgraph=True)
     first = _catch(lambda: compiled(*inputs))
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     torch._dynamo.reset()
     no_cp = _catch(lambda: torch.compile(model, backend=cp_compile.RingCP(mesh=mesh, inner="aot_eager"))(*inputs))
-    return first, no_cp
+    return batch, first, no_cp
 
 
 def test_compiled_model_with_different_lengths_per_rank(ranks):
-    for rank, (first, no_cp) in enumerate(ranks.run(2, _compiled_mismatch_rank_fn, timeout=180)):
+    for rank, (batch, first, no_cp) in enumerate(ranks.run(2, _compiled_mismatch_rank_fn, timeout=180)):
+        assert batch is not None and batch[0] == "BatchMismatchError", (rank, batch)
+        assert "'input_ids' (ranks [1] differ from rank 0 in shapes rank 0 (2, 32), rank 1 (2, 48))" in batch[1], batch
         assert first is not None, f"rank {rank}: different lengths not detected"
         typ, msg = first
         assert typ == "ValueError" and MISMATCH in msg, (rank, msg)

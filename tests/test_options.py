@@ -59,6 +59,8 @@ VALUES = {
     ("inner", "eager"): None,
     ("timeout", "None"): None,
     ("timeout", "seconds"): None,
+    ("check_batch", "True"): "test_same_batch.py::test_check_batch_option_through_the_decorator",
+    ("check_batch", "False"): "test_same_batch.py::test_check_batch_option_through_the_decorator",
 }
 
 
@@ -109,9 +111,9 @@ def _run_with(option: str, label: str):
 
 def _explain(model, ids, labels, options: dict):
     """``cp-compile explain``'s record of ``model`` compiled with ``options``. It runs without a
-    process group (the CP group is its world_size); inner and timeout do not reach the rewrite."""
+    process group (the CP group is its world_size); inner, timeout and check_batch do not reach the rewrite."""
     rewrite = {k: dict(v) if isinstance(v, dict) else v  # a copy: seq_inputs={...} is the backend's too
-               for k, v in options.items() if k not in ("mesh", "inner", "timeout")}
+               for k, v in options.items() if k not in ("mesh", "inner", "timeout", "check_batch")}
     return explain_record(model, (ids, labels), world_size=dist.get_world_size(), **rewrite)
 
 

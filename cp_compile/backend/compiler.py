@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
 
 from ..group import resolve_group
 from .aot_cache import aot_cache_config
+from .batch_guard import guard_same_batch
 from ..options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)
 from .eager_guard import guard_eager_parameters
 from .local_guard import guard_local_shards
-from ..passes.context import CPRewriteError, RewriteContext
+from ..passes.context import CPRewriteError, RewriteContext, global_shape
 from ..passes.expand_fastpath import expand_fastpath
 from ..passes.expand_mha import expand_mha
 from ..passes.find_attention import find_attention
@@ -98,6 +99,7 @@ class RingCP:
             _set_ring_timeout(new_gm, opts.timeout)
             checkpoint_regions(new_gm, ctx.regions)  # recomputed in the backward, the ring's results saved
             compiled = _hand_off(opts.inner, inner, new_gm, example_inputs, same_on_every_rank=not ctx.shard_nodes)
+            compiled = _guard_batch(compiled, gm, example_inputs, ctx, opts)
             self.graphs.append(new_gm)
             self.fallbacks.extend(ctx.fallbacks)
             self.records.append(ctx.record)
@@ -150,6 +152,28 @@ def _guard_shares(compiled: Callable, gm: fx.GraphModule, example_inputs: List[A
     grad_inputs = [i for i, (n, ex) in enumerate(zip(placeholders, example_inputs))
                    if isinstance(ex, torch.Tensor) and ex.requires_grad and not is_parameter_like(n, ex)]
     return guard_eager_parameters(compiled, grad_inputs, world) if grad_inputs else compiled
+
+
+def _guard_batch(compiled: Callable, gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext,
+                 opts: BackendOptions) -> Callable:
+    """Under ``inputs="full"`` and ``check_batch``: ``compiled`` that first checks that every CP rank
+    was passed the same batch (:mod:`.batch_guard`). Dynamo calls the compiled graph with its flat
+    inputs in placeholder order."""
+    if not opts.check_batch or opts.inputs != "full" or ctx.group.size == 1:
+        return compiled
+    batch = batch_inputs(gm, example_inputs, ctx)
+    return guard_same_batch(compiled, ctx.group, batch, opts.timeout) if batch else compiled
+
+
+def batch_inputs(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> List[Tuple[int, str]]:
+    """(position, forward() argument name) of the inputs each rank takes its share of: those the
+    rewrite shards (``ctx.shard_inputs``) and the other per-token inputs, which stay whole and are
+    indexed by this rank's positions where they meet sharded values (labels that do not reach
+    attention, a padding mask): any tensor input, not a parameter or buffer, with a dim of size S."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    return [(i, user_name(n)) for i, (n, ex) in enumerate(zip(placeholders, example_inputs))
+            if n.name in ctx.shard_inputs or (isinstance(ex, torch.Tensor) and not is_parameter_like(n, ex)
+                                              and ctx.seq_len in (global_shape(n) or ()))]
 
 
 def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
