@@ -26,8 +26,10 @@ The package, one screen (docs/design.md explains each part)::
                                  comm, plan, merge, faults
       kernels/                   block kernels: aten (CPU/CUDA), reference, triton (GPU)
       tools/                     the cp-compile CLI: explain, dump, plan (nothing at run time)
-      recipes/                   ring_cp inside training frameworks, imported on use: hf_trainer
-                                 (RingCPTrainer, transformers.Trainer on a DP x CP mesh)
+      recipes/                   ring_cp inside training frameworks, imported on use: blocks
+                                 (compile_blocks: each block compiled on its own, the sequence
+                                 sharded between blocks), hf_trainer (RingCPTrainer,
+                                 transformers.Trainer on a DP x CP mesh)
 """
 
 from .backend.compiler import BackendOptions, RingCP

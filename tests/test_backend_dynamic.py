@@ -172,3 +172,32 @@ def test_local_length_specialized_under_dynamic_names_the_cause() -> None:
         with pytest.raises(CPRewriteError) as err:
             inspect(block, args, world_size=2, inputs="local", outputs="local")
         assert f"static local length {local}" in str(err.value) and "duck sizing" in str(err.value), err.value
+
+
+def _marked_local_block():
+    """A Llama block on this rank's shards, each shard's sequence dim marked dynamic on its own."""
+    torch._dynamo.reset()
+    model, _ = models.llama_factory(seq_len=48)
+    block, seq = model.layers[0], 48
+    x = torch.randn(2, seq, model.cfg.dim, requires_grad=True)
+    whole = (x, model.rope_cos[:seq], model.rope_sin[:seq])
+    ref = block(*whole)
+    ref.backward(torch.ones_like(ref))
+    ref_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    local = [cp_compile.shard(t, 1 if t is x else 0).detach().requires_grad_(t is x) for t in whole]
+    for t, dim in zip(local, (1, 0, 0)):
+        torch._dynamo.mark_dynamic(t, dim)  # x's and cos's/sin's lengths: two symbols, one S
+    backend = cp_compile.RingCP(inner="aot_eager", inputs="local", outputs="local")
+    out = torch.compile(block, backend=backend, fullgraph=True)(*local)
+    out.backward(torch.ones_like(out))
+    errs = [rel(out.detach(), cp_compile.shard(ref.detach(), 1)), rel(local[0].grad, cp_compile.shard(x.grad, 1))]
+    return errs + [rel(p.grad, ref_grads[n]) for n, p in block.named_parameters()], ring_mismatches(backend, 1)
+
+
+def test_local_inputs_with_a_symbol_per_marked_input_are_exact(ranks):
+    """mark_dynamic gives each input's sequence dim its own symbol; a broadcast unifies them, and the
+    graph keeps a placeholder per symbol: every one must read as the whole length N x c (before the fix
+    only the first did, and the view of the other, c / N rows, failed to trace)."""
+    for errs, rings in ranks.run(2, _marked_local_block):
+        assert max(errs) <= TOL and not rings, (errs, rings)

@@ -8,6 +8,11 @@ back to the gathered sequence, and the one gather per block graph is its output'
 the documented cost: the sequence does not stay sharded *between* blocks; docs/composing.md).
 The example Llama (S=48, batch 2) and a Hugging Face Llama (its decoder layers compiled one by
 one, as accelerate's regional compilation does), on 2 and 4 gloo ranks.
+
+``cp_compile.recipes.compile_blocks`` keeps the sequence sharded *between* blocks (first block
+inputs="full"/outputs="local", middle local/local, last local/full): on 3-block stacks of the
+same models, the same exactness, ring and fallback checks, and only the last block's graph
+gathers (one gather_seq, no all-gather anywhere else).
 """
 
 from __future__ import annotations
@@ -68,3 +73,82 @@ def test_blocks_compiled_one_by_one_are_exact_ring_only_and_gather_only_their_ou
         assert not r["rings"], (rank, r)  # every block graph's attention is the ring
         assert r["fallbacks"] == [], (rank, r)  # nothing computed on the gathered sequence
         assert r["gathers"] == [1] * r["graphs"], (rank, r)  # each block graph gathers its output, once
+
+
+# ---------- compile_blocks: the sequence sharded between blocks
+
+LAYERS = 3  # first, middle, last
+
+
+def _chained(kind: str) -> dict:
+    """On a rank: compile_blocks on a 3-block stack; errors against one process, and what each graph did."""
+    import hf_models
+    import models
+    from cp_compile.recipes import compile_blocks
+
+    if kind == "llama":
+        (ref, (ids, labels)), (cp, _) = [models.llama_factory(seq_len=SEQ, batch=2, n_layers=LAYERS)
+                                         for _ in range(2)]
+        blocks, loss_of = cp.layers, lambda m: m(ids, labels)
+    else:
+        ref, cp = (hf_models.hf_model("llama", num_hidden_layers=LAYERS) for _ in range(2))
+        ids, labels = hf_models.hf_tokens(SEQ)
+        blocks = cp.model.layers
+        loss_of = lambda m: m(input_ids=ids, labels=labels, use_cache=False).loss  # noqa: E731
+    with AttentionCount() as count:
+        ref_loss = loss_of(ref)
+    ref_loss.backward()
+    backends = compile_blocks(blocks, inner="aot_eager")
+    loss = loss_of(cp)
+    loss.backward()
+    grads = grad_errors(cp, ref)
+    unique = list({id(b): b for b in backends}.values())  # first, middle, last
+    collectives = {"gather_seq": lambda n: n.target is cp_compile.graph_ops.gather_seq,
+                   "all_gather": lambda n: "all_gather" in str(n.target)}
+    per_graph = [{name: sum(map(hit, gm.graph.nodes)) for name, hit in collectives.items()}
+                 for b in unique for gm in b.graphs]
+    return {"loss": rel(loss.detach(), ref_loss.detach()), "grad": max(grads.values()), "grads": len(grads),
+            "worst": max(grads, key=grads.get), "attentions": count.calls, "blocks": len(blocks),
+            "graphs": [len(b.graphs) for b in unique], "collectives": per_graph,
+            "rings": [m for b in unique for m in ring_mismatches(b, 1, compiles=len(b.graphs))],
+            "fallbacks": [f for b in unique for f in b.fallbacks + [f for r in b.records for f in r.fallbacks]],
+            "no_attention": sum(len(b.no_attention) for b in unique)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_compile_blocks_keeps_the_sequence_sharded_between_blocks(ranks, world: int, kind: str) -> None:
+    for rank, r in enumerate(ranks.run(world, _chained, kind, timeout=300)):
+        assert r["loss"] <= TOL and r["grad"] <= TOL, (rank, r)
+        assert r["attentions"] == r["blocks"] == LAYERS, (rank, r)
+        assert r["graphs"] == [1, 1, 1] and r["no_attention"] == 0, (rank, r)  # one graph per position
+        assert not r["rings"] and r["fallbacks"] == [], (rank, r)
+        # no gather between blocks: only the last block's graph gathers, its output, once
+        assert r["collectives"] == [{"gather_seq": 0, "all_gather": 0}] * 2 + [{"gather_seq": 1, "all_gather": 0}], \
+            (rank, r)
+
+
+def test_compile_blocks_positions_and_refusals() -> None:
+    """The options per position, and what is refused before anything compiles (no process group)."""
+    import torch.nn as nn
+
+    from cp_compile.recipes import compile_blocks
+    from cp_compile.recipes.blocks import block_options
+
+    assert [block_options(i, 3) for i in range(3)] == [{"inputs": "full", "outputs": "local"},
+                                                       {"inputs": "local", "outputs": "local"},
+                                                       {"inputs": "local", "outputs": "full"}]
+    assert block_options(0, 1) == {"inputs": "full", "outputs": "full"}
+    with pytest.raises(ValueError, match="no blocks"):
+        compile_blocks([])
+    with pytest.raises(ValueError, match="chooses \\['inputs'\\]"):
+        compile_blocks([nn.Linear(2, 2)] * 1, inputs="local")
+    block = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="same block twice"):
+        compile_blocks([block, block])
+    with pytest.raises(TypeError, match="nn.Module"):
+        compile_blocks([block, lambda x: x])
+    backends = compile_blocks([nn.Linear(2, 2) for _ in range(4)], inner="aot_eager")
+    assert len(backends) == 4 and len({id(b) for b in backends}) == 3  # the middle blocks share one
+    assert [(b.options.inputs, b.options.outputs) for b in backends] == \
+        [("full", "local"), ("local", "local"), ("local", "local"), ("local", "full")]

@@ -77,11 +77,19 @@ class Emitter:
         return self.env[self.seq_placeholder()]
 
     def seq_placeholder(self) -> fx.Node:
+        return self.seq_placeholders()[0]
+
+    def seq_placeholders(self) -> List[fx.Node]:
+        """Every SymInt placeholder whose value is the symbolic S. There may be several: each
+        sequence input dim marked dynamic (``torch._dynamo.mark_dynamic``) gets its own symbol and
+        placeholder, and an op that broadcasts them together makes Dynamo replace one symbol by the
+        other, leaving two placeholders of the same S (both read by the graph)."""
         sym = self.ctx.seq_sym
-        for old in self.env:
-            val = old.meta.get("example_value")
-            if old.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr == sym.node.expr:
-                return old
+        found = [old for old in self.env if old.op == "placeholder"
+                 and isinstance(old.meta.get("example_value"), torch.SymInt)
+                 and old.meta["example_value"].node.expr == sym.node.expr]
+        if found:
+            return found
         raise CPRewriteError(
             f"cp_compile: the dynamic sequence length {sym} is not a graph input. "
             "Fix: torch.compile(model, backend='ring_cp', dynamic=False)."

@@ -63,8 +63,11 @@ def _finish_inputs(em: Emitter) -> None:
     """
     ctx, synced, bucket = em.ctx, [], []
     local = ctx.inputs == "local"
-    if local:  # the traced length is this rank's c: the whole sequence is N * c
-        em.env[em.seq_placeholder()] = em.call(operator.mul, em.env[em.seq_placeholder()], ctx.world)
+    if local:  # the traced length is this rank's c: the whole sequence is N * c (wherever the graph reads it)
+        places = em.seq_placeholders()
+        whole = em.call(operator.mul, em.env[places[0]], ctx.world)
+        for place in places:
+            em.env[place] = whole
     for node in em.inputs:
         example = em.examples.get(node.name)
         if not (isinstance(example, torch.Tensor) and example.requires_grad):
