@@ -6,12 +6,12 @@ ring attention and the MLP, and all-gathers its output (``outputs="full"``): the
 gradient equal one process's (fp32, 1e-5 relative), every attention is the ring, no op falls
 back to the gathered sequence, and the one gather per block graph is its output's (counted, as
 the documented cost: the sequence does not stay sharded *between* blocks; docs/composing.md).
-The example Llama (S=48, batch 2) and a Hugging Face Llama (its decoder layers compiled one by
-one, as accelerate's regional compilation does), on 2 and 4 gloo ranks.
+The example Llama (S=48, batch 2) on 2 gloo ranks (a Hugging Face Llama, whose decoder layers
+accelerate's regional compilation compiles one by one, and 4 ranks run below).
 
 ``cp_compile.recipes.compile_blocks`` keeps the sequence sharded *between* blocks (first block
 inputs="full"/outputs="local", middle local/local, last local/full): on 3-block stacks of the
-same models, the same exactness, ring and fallback checks, and only the last block's graph
+example Llama (2 and 4 ranks) and the Hugging Face Llama (2 ranks), the same exactness, ring and fallback checks, and only the last block's graph
 gathers (one gather_seq, no all-gather anywhere else).
 """
 
@@ -62,8 +62,7 @@ def _per_block(kind: str) -> dict:
             "no_attention": len(backend.no_attention)}
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind, world", [("llama", 2)])  # compile_blocks below covers both models and 4 ranks
 def test_blocks_compiled_one_by_one_are_exact_ring_only_and_gather_only_their_output(ranks, world: int,
                                                                                    kind: str) -> None:
     for rank, r in enumerate(ranks.run(world, _per_block, kind, timeout=300)):
@@ -115,8 +114,7 @@ def _chained(kind: str) -> dict:
             "no_attention": sum(len(b.no_attention) for b in unique)}
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind, world", [("llama", 2), ("hf_llama", 2), ("llama", 4)])
 def test_compile_blocks_keeps_the_sequence_sharded_between_blocks(ranks, world: int, kind: str) -> None:
     for rank, r in enumerate(ranks.run(world, _chained, kind, timeout=300)):
         assert r["loss"] <= TOL and r["grad"] <= TOL, (rank, r)
