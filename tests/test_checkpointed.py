@@ -15,8 +15,9 @@ ops are recomputed (checkpointing still saves memory).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 import torch
@@ -77,9 +78,10 @@ def _model(form: str) -> tuple:
     return model, inputs
 
 
-def _graphs_and_ring_calls(monkeypatch_targets: List[Any]) -> Dict[str, Any]:
-    """Count this process's ring forward calls (the op's body) and keep AOTAutograd's forward and
-    backward graphs as the aot_eager hand-off schedules them."""
+@contextlib.contextmanager
+def _ring_calls_and_graphs() -> Iterator[Dict[str, Any]]:
+    """Within: count this process's ring forward calls (the op's body) and keep AOTAutograd's
+    forward and backward graphs as the aot_eager hand-off schedules them."""
     import cp_compile.backend.compiler as compiler
     import cp_compile.ring.ops as ops
 
@@ -95,9 +97,10 @@ def _graphs_and_ring_calls(monkeypatch_targets: List[Any]) -> Dict[str, Any]:
         return schedule(gm)
 
     ops.ring_forward, compiler.schedule_collectives = counted, kept
-    monkeypatch_targets.append(lambda: (setattr(ops, "ring_forward", forward),
-                                        setattr(compiler, "schedule_collectives", schedule)))
-    return seen
+    try:
+        yield seen
+    finally:
+        ops.ring_forward, compiler.schedule_collectives = forward, schedule
 
 
 def _count(gm: torch.fx.GraphModule, op: Any) -> int:
@@ -108,12 +111,8 @@ def _run(form: str) -> Dict[str, Any]:
     import cp_compile  # noqa: F401 (torch.ops.cp_compile)
 
     (ref_model, inputs), (cp_model, _) = _model(form), _model(form)
-    undo: List[Any] = []
-    seen = _graphs_and_ring_calls(undo)
-    try:
+    with _ring_calls_and_graphs() as seen:
         ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs)
-    finally:
-        undo[0]()
     fw, bw = seen["graphs"]
     ring, mm, rsqrt = (torch.ops.cp_compile.ring_attention_fwd.default, torch.ops.aten.mm.default,
                        torch.ops.aten.rsqrt.default)
@@ -159,19 +158,15 @@ def _run_hf(seq_len: int = 64) -> Dict[str, Any]:
         m.train()  # Hugging Face checkpoints only in training (its dropouts are 0 in the tiny config)
     ids, labels = hf_models.hf_tokens(seq_len)
     backend = cp_compile.RingCP(inner="aot_eager")
-    undo: List[Any] = []
     with torch._dynamo.config.patch(specialize_float=True):
         explained = explain_record(ref_model, (), {"input_ids": ids, "labels": labels},
                                    world_size=torch.distributed.get_world_size())
         with AttentionCount() as count:
             ref = ref_model(input_ids=ids, labels=labels)
         ref.loss.backward()
-        seen = _graphs_and_ring_calls(undo)
-        try:
+        with _ring_calls_and_graphs() as seen:
             out = torch.compile(cp_model, backend=backend, fullgraph=True)(input_ids=ids, labels=labels)
             out.loss.backward()
-        finally:
-            undo[0]()
     assert backend.records == [explained], (backend.records, explained)
     return {"loss": rel(out.loss.detach(), ref.loss.detach()), "grads": grad_errors(cp_model, ref_model),
             "rings": ring_mismatches(backend, count.calls), "fallbacks": backend.fallbacks,

@@ -146,7 +146,7 @@ def _inline(gm: fx.GraphModule, hop: fx.Node, region: Region) -> None:
 
 def _adopt(gm: fx.GraphModule, body: fx.GraphModule, target: str) -> str:
     """Register ``body``'s attribute ``target`` on ``gm`` under a fresh name."""
-    value = body.get_submodule(target) if isinstance(_attr(body, target), torch.nn.Module) else _attr(body, target)
+    value = _attr(body, target)
     name = f"_cp_region_{target.replace('.', '_')}"
     while hasattr(gm, name):
         name += "_"
