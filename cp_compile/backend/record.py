@@ -66,16 +66,14 @@ class GraphRecord:
 
     def summary(self) -> str:
         """One line: attention, where sharding starts, fallbacks and the sharded fraction."""
+        regions = f"; {len(self.regions)} region(s) opened (checkpointed or nested)" if self.regions else ""
         if not self.attention:
             what = "no attention: compiled unchanged, every rank runs it whole"
             if self.unsplit:
                 what += f"; {len(self.unsplit)} attention(s) in a form ring_cp cannot split"
             if self.whole_inputs:
                 what += f"; takes sequence-long inputs {', '.join(self.whole_inputs)}"
-            if self.regions:
-                what += f"; {len(self.regions)} region(s) opened (checkpointed or nested)"
-            return what
-        regions = f"; {len(self.regions)} region(s) opened (checkpointed or nested)" if self.regions else ""
+            return what + regions
         starts = [f"input {k} (dim {d})" for k, d in self.shard_inputs.items()]
         starts += [f"{k} (dim {d})" for k, d in self.shard_nodes.items()]
         unsplit = f" ({len(self.unsplit)} more not: gathered)" if self.unsplit else ""

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .context import log
 
-_COMMUNICATING_NAMESPACES = ("cp_compile", "_c10d_functional", "c10d_functional")
+COMMUNICATING_NAMESPACES = ("cp_compile", "_c10d_functional", "c10d_functional")  # saved, never recomputed
 
 
 def outline_selective(gm: fx.GraphModule, region: Any) -> bool:
@@ -126,7 +126,14 @@ def _saving_communication(context_fn: Callable) -> Callable:
     return context_fn_saving_communication
 
 
+def communicating_op(target: Any) -> bool:
+    """Whether an operator (a graph node's target, or the aten-level op a selective-AC policy is
+    asked about) is in a namespace that sends or receives: the ring op, c10d functional ops."""
+    namespace = getattr(target, "namespace", None) or getattr(getattr(target, "_schema", None), "name", "")
+    return str(namespace).split("::")[0] in COMMUNICATING_NAMESPACES
+
+
 def _save_communication(policy: Callable, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-    if getattr(func, "namespace", None) in _COMMUNICATING_NAMESPACES:
+    if communicating_op(func):
         return CheckpointPolicy.MUST_SAVE
     return policy(ctx, func, *args, **kwargs)

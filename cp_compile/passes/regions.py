@@ -39,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import graph_ops
 from .context import log, source_line
+from .region_outline import communicating_op, outline_selective
 
 _HOP = torch.ops.higher_order
 # higher-order op -> (the kind of region, how many leading arguments are not operands)
@@ -146,7 +147,7 @@ def _inline(gm: fx.GraphModule, hop: fx.Node, region: Region) -> None:
 
 def _adopt(gm: fx.GraphModule, body: fx.GraphModule, target: str) -> str:
     """Register ``body``'s attribute ``target`` on ``gm`` under a fresh name."""
-    value = _attr(body, target)
+    value = operator.attrgetter(target)(body)
     name = f"_cp_region_{target.replace('.', '_')}"
     while hasattr(gm, name):
         name += "_"
@@ -155,12 +156,6 @@ def _adopt(gm: fx.GraphModule, body: fx.GraphModule, target: str) -> str:
     else:
         setattr(gm, name, value)
     return name
-
-
-def _attr(module: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 class stamp_region:
@@ -187,11 +182,7 @@ class stamp_region:
 
 def communicates(node: fx.Node) -> bool:
     """Whether ``node`` sends or receives (the ring op, cp_compile's collectives, c10d functional ops)."""
-    target = node.target
-    if target in graph_ops.COMMUNICATING:
-        return True
-    namespace = getattr(target, "namespace", None) or getattr(getattr(target, "_schema", None), "name", "")
-    return str(namespace).split("::")[0] in ("cp_compile", "_c10d_functional", "c10d_functional")
+    return node.target in graph_ops.COMMUNICATING or communicating_op(node.target)
 
 
 def checkpoint_regions(gm: fx.GraphModule, regions: List[Region]) -> fx.GraphModule:
@@ -199,14 +190,12 @@ def checkpoint_regions(gm: fx.GraphModule, regions: List[Region]) -> fx.GraphMod
     what communicates); a region with a selective-AC policy goes back into its higher-order op."""
     if not any(r.checkpointed for r in regions):
         return gm
-    from .region_outline import outline_selective
-
-    for region in regions:
-        if region.checkpointed and region.context_fn is not None and outline_selective(gm, region):
-            continue
-        for node in gm.graph.nodes:
-            if region_of(node) is region and node.op not in ("placeholder", "get_attr", "output"):
-                node.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if communicates(node)
-                                          else CheckpointPolicy.PREFER_RECOMPUTE)
-                node.meta["ac_graph_id"] = region.id
+    tagged = {r.id for r in regions  # the selective-AC regions put back into their op need no tags
+              if r.checkpointed and not (r.context_fn is not None and outline_selective(gm, r))}
+    for node in gm.graph.nodes:
+        region = region_of(node)
+        if region is not None and region.id in tagged and node.op not in ("placeholder", "get_attr", "output"):
+            node.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if communicates(node)
+                                      else CheckpointPolicy.PREFER_RECOMPUTE)
+            node.meta["ac_graph_id"] = region.id
     return gm
