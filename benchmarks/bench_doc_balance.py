@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_doc_balance.py --quick    # S = 16k; N = 4; 2 seeds (seconds)
     .venv/bin/python benchmarks/bench_doc_balance.py --sigma 1.5 --min-chunk 128
 
-A work model, no attention is computed (:mod:`cp_compile.doc_layout`): document
+A work model, no attention is computed (:mod:`cp_compile.document_layout`): document
 lengths are drawn log-normal (mean ``--mean`` = 2048 tokens, ``--sigma`` = 1.0 of the
 underlying normal), packed into S tokens (the last document is cut at S), and for each
 layout the work of every rank is counted exactly as visible (query, key) pairs
@@ -54,7 +54,7 @@ def packing(seq_len: int, seed: int, mean: float, sigma: float) -> List[int]:
 
 def measure(lengths: List[int], layout, world: int, args) -> Dict[str, float]:
     """Balance numbers of one layout: per-rank and per-step, in pairs and in tiles."""
-    from cp_compile.doc_layout import imbalance, step_pairs, step_tiles, sync_makespan
+    from cp_compile.document_layout import imbalance, step_pairs, step_tiles, sync_makespan
 
     out: Dict[str, float] = {}
     for unit, steps in (("pairs", step_pairs(lengths, layout)),
@@ -70,7 +70,7 @@ def measure(lengths: List[int], layout, world: int, args) -> Dict[str, float]:
 
 def run_case(seq_len: int, world: int, seed: int, args) -> Dict[str, Any]:
     """One packing: global zig-zag and the document-aware layout side by side."""
-    from cp_compile.doc_layout import document_positions, zigzag_layout
+    from cp_compile.document_layout import document_positions, zigzag_layout
 
     lengths = packing(seq_len, seed, args.mean, args.sigma)
     t0 = time.perf_counter()

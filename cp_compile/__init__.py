@@ -14,7 +14,7 @@ The package, one screen (docs/design.md explains each part)::
     cp_compile/
       options.py, errors.py      typed options (Literal choices) and the exceptions
       sequence.py, group.py      sequence layouts over ranks; resolving the CP group
-      doc_layout.py              a layout balanced over packed documents, and its work model
+      document_layout.py              a layout balanced over packed documents, and its work model
       step.py                    @context_parallel: a whole training step
       graph_ops.py               the collectives a rewritten graph calls (all-reduce, gather, ...)
       backend/                   what Dynamo calls: RingCP, rewrite_for_cp, the per-graph record,
@@ -37,7 +37,7 @@ from .options import RingOptions
 from .sequence import positions, shard, unshard
 from .ring import doc_ids_from_cu_seqlens, doc_ids_from_position_ids, ring_attention
 from .step import context_parallel
-from .doc_layout import layout_table
+from .document_layout import layout_table
 
 __version__ = "0.1.0"
 

@@ -147,7 +147,7 @@ def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, 
 
 
 # The functions above that send or receive in the forward (a checkpointed region saves their results
-# rather than recomputing them in the backward: cp_compile.passes.regions).
+# rather than recomputing them in the backward: cp_compile.passes.normalize.regions).
 COMMUNICATING = (all_reduce_sum, gather_seq)
 
 # Every function above that the rewrite emits as a graph node (see :mod:`cp_compile.backend.aot_cache`).

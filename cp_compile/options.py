@@ -80,7 +80,7 @@ class RingOptions:
     """Token-to-rank layout: ``"zigzag"`` (rank r holds chunks r and 2N-1-r: balanced causal
     work), ``"striped"`` (token i on rank i mod N) or ``"contiguous"`` (one chunk per rank).
     ``"documents"``: a per-batch table of positions balancing causal work over packed documents
-    (:func:`cp_compile.doc_layout.layout_table`); the ring op then needs ``positions=table``."""
+    (:func:`cp_compile.document_layout.layout_table`); the ring op then needs ``positions=table``."""
     rotate: Rotate = "p2p"
     """``"p2p"``: K/V pass around the ring with double-buffered async send/recv, overlapped
     with compute; ``"allgather"``: all K/V gathered once (N x the K/V memory, fewer transfers)."""

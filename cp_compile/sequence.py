@@ -11,7 +11,7 @@ A layout maps a sequence of ``S`` tokens onto ``N`` ranks, each holding
 | ``documents``  | row r of a per-batch table (below)            | N                |
 
 A layout may also be given as a **table** of positions, computed per batch (e.g. the
-document-aware :func:`cp_compile.doc_layout.layout_table`): an (N, c) int64 tensor whose
+document-aware :func:`cp_compile.document_layout.layout_table`): an (N, c) int64 tensor whose
 row r lists rank r's global positions, sorted increasing, the rows together a partition
 of range(N·c), the same whole tensor on every rank (:func:`check_table`). It replaces
 ``load_balance`` wherever it is passed (``positions=table``). One table serves the whole
@@ -79,7 +79,7 @@ def _table_error(what: str, fix: str) -> None:
     raise ValueError(f"cp_compile: the positions table {what}. Fix: {fix}")
 
 
-_TABLE_FIX = ("build it with cp_compile.doc_layout.layout_table(doc_lengths, N) (one table serves the whole batch: "
+_TABLE_FIX = ("build it with cp_compile.document_layout.layout_table(doc_lengths, N) (one table serves the whole batch: "
               "build it from the union of the rows' document boundaries, or use B = 1)")
 
 

@@ -49,11 +49,11 @@ def explain_record(model: torch.nn.Module, args: tuple = (), kwargs: Any = None,
     group is up, else 0). Resets Dynamo: call it before compiling."""
     import torch.distributed as dist
 
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-    return inspect(model, args, world_size=world_size, example_kwargs=kwargs, rank=rank, **options).ctx.record
+    return explain_model(model, args, world_size=world_size, example_kwargs=kwargs, rank=rank, **options).ctx.record
 
 
 def loss_through_ring_cp(ref_model: torch.nn.Module, cp_model: torch.nn.Module, inputs: tuple, **options: Any):

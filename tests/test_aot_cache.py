@@ -50,11 +50,11 @@ def test_helpers_bypass_the_cache_without_the_patch_and_pass_with_it():
 def test_every_function_a_rewritten_graph_calls_is_cacheable():
     """The rewrite of a model with an explicit mask (the widest set of emitted helpers) passes
     AOTAutograd's node check with the patch: no graph silently loses the cache."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
     from test_backend_masks import MaskedAttention, _inputs
 
     inputs = _inputs("causal_padding", 30)  # padded: gathers, masks and padding helpers too
-    report = inspect(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
+    report = explain_model(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
     with torch._inductor.config.patch(aot_cache_config()):
         for node in report.after.graph.nodes:
             if node.op == "call_function":

@@ -84,14 +84,14 @@ def test_attention_on_whole_values_becomes_the_ring(ranks, world: int, seq_len: 
 
 
 def test_explain_shows_where_the_sequence_arises() -> None:
-    """cp-compile explain's code path (inspect, no process group) makes the same rewrite: the
+    """cp-compile explain's code path (explain_model, no process group) makes the same rewrite: the
     ``cat`` of cls and patches is sharded right where it is computed (passes/seq_origins.py), so
     everything after it holds 1/N of the tokens; only the patch embedding runs whole."""
     from cp_compile.tools.explain_format import format_explain
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     model, inputs = _vit(16)
-    report = inspect(model, inputs, world_size=2)
+    report = explain_model(model, inputs, world_size=2)
     after = [n.target for n in report.after.graph.nodes if n.op == "call_function"]
     assert F.scaled_dot_product_attention not in after
     assert sum(t is torch.ops.cp_compile.ring_attention_fwd.default for t in after) == 2
@@ -107,7 +107,7 @@ def test_post_condition_refuses_a_surviving_whole_attention() -> None:
     import torch.fx as fx
 
     from cp_compile.passes.context import CPRewriteError
-    from cp_compile.passes.rewrite import _check_every_attention_is_the_ring
+    from cp_compile.passes.propagate.rewrite import _check_every_attention_is_the_ring
 
     graph = fx.Graph()
     q = graph.placeholder("q")

@@ -178,7 +178,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", sorted(FUSED))
 def test_form_is_fused_into_one_sdpa_with_the_same_values_and_gradients(name: str) -> None:
-    from cp_compile.passes.fuse_attention import fuse_attention
+    from cp_compile.passes.normalize.fuse_attention import fuse_attention
 
     model = Form(FUSED[name])
     x = torch.randn(B, S, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -234,11 +234,11 @@ FORMS_UNFUSED = {f.__name__: f for f in (weights_also_returned, logsumexp_form, 
 
 
 def _unsplit(model: nn.Module, x: torch.Tensor, **opts) -> Tuple[List[str], List[str]]:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     torch._dynamo.reset()
     with cp_compile_warnings() as warnings:
-        report = inspect(model, (x,), world_size=2, **opts)
+        report = explain_model(model, (x,), world_size=2, **opts)
     return report.ctx.unsplit, warnings
 
 
@@ -253,11 +253,11 @@ def test_unfusable_attention_is_named_in_a_warning(name: str) -> None:
         or unsplit[0].split(":")[1] in _WARNED, warnings  # each line is warned once per process
     _WARNED.add(unsplit[0].split(":")[1])
     from cp_compile.passes.context import CPRewriteError
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     torch._dynamo.reset()
     with pytest.raises(CPRewriteError, match="cannot split"):
-        inspect(model, (x,), world_size=2, strict=True)
+        explain_model(model, (x,), world_size=2, strict=True)
 
 
 _WARNED: set = set()

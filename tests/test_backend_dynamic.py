@@ -160,17 +160,17 @@ def test_local_length_specialized_under_dynamic_names_the_cause() -> None:
     symbol (duck sizing) and becomes that constant: the error says so, not just "use dynamic=True".
     (A Llama block compiled on its own with S = 32 on 2 ranks; S = 48, local 24, traces symbolic.)"""
     from cp_compile.errors import CPRewriteError
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     model, _ = models.llama_factory(seq_len=32)
     block, head_dim = model.layers[0], model.cfg.dim // model.cfg.n_heads
     for local in (head_dim, head_dim + 8):
         args = (torch.randn(2, local, model.cfg.dim), model.rope_cos[:local], model.rope_sin[:local])
         if local != head_dim:
-            assert inspect(block, args, world_size=2, inputs="local", outputs="local").ctx.record.rings == 1
+            assert explain_model(block, args, world_size=2, inputs="local", outputs="local").ctx.record.rings == 1
             continue
         with pytest.raises(CPRewriteError) as err:
-            inspect(block, args, world_size=2, inputs="local", outputs="local")
+            explain_model(block, args, world_size=2, inputs="local", outputs="local")
         assert f"static local length {local}" in str(err.value) and "duck sizing" in str(err.value), err.value
 
 

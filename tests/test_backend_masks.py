@@ -1,6 +1,6 @@
 """Attention masks through the ring_cp backend: exact against one process, and never S x S whole.
 
-A mask is split (cp_compile/passes/masks/classify.py) into what the ring op does by position
+A mask is split (cp_compile/passes/analyze/masks/classify.py) into what the ring op does by position
 (causal, full, a causal sliding window) and explicit terms, of which each rank builds
 only its own query rows (passes/masks/rows.py). Each case compiles a model unchanged and
 compares, on 2 gloo ranks, its loss and every parameter gradient with the same model
@@ -182,10 +182,10 @@ def _local_shapes(report) -> list:
 def test_no_rank_builds_more_of_a_mask_than_its_rows(kind: str, largest: tuple) -> None:
     """S = 64 on 2 ranks (c = 32): a key-padding mask stays (B, 1, 1, S); a mask that varies by
     query (read from an input: no rule of positions) is built as this rank's (c, S) rows, never (S, S)."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     inputs = _inputs(kind, 64)
-    report = inspect(MaskedAttention(kind), (inputs["x"], inputs["padding"]), world_size=2)
+    report = explain_model(MaskedAttention(kind), (inputs["x"], inputs["padding"]), world_size=2)
     mask_like = [s[-2:] for s in _local_shapes(report) if len(s) == 4 and s[-1] == 64]  # (B|1, H|1, rows, keys)
     assert mask_like and max(mask_like, key=lambda s: s[0] * s[1]) == largest, mask_like
 
@@ -201,11 +201,11 @@ class _LearnedBias(torch.nn.Module):
 
 
 def test_a_mask_that_needs_a_gradient_is_refused_with_line_and_fix() -> None:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
     from cp_compile.passes.context import CPRewriteError
 
     with pytest.raises(CPRewriteError) as err:
-        inspect(_LearnedBias(32), (torch.randn(B, 32, D),), world_size=2)
+        explain_model(_LearnedBias(32), (torch.randn(B, 32, D),), world_size=2)
     text = str(err.value)
     assert "requires grad" in text and "test_backend_masks.py:" in text and "Fix:" in text, text
 
@@ -224,16 +224,16 @@ def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) 
     info), naming the attention's source line and the cheaper forms; key padding warns not."""
     import logging
 
-    from cp_compile.tools.explain import inspect
-    from cp_compile.passes.masks import rows as mask_rows
+    from cp_compile.tools.explain import explain_model
+    from cp_compile.passes.analyze.masks import rows as mask_rows
 
     monkeypatch.setattr(mask_rows, "_warned", False)
     caplog.set_level(logging.INFO, logger="cp_compile")
     inputs = _inputs("causal_padding", 32)
-    inspect(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
+    explain_model(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
     given = _inputs("given", 32)["given"]  # an S x S mask passed in: no rule of positions
     for _ in range(2):
-        inspect(MaskedAttention("given"), (inputs["x"], None, given), world_size=2)
+        explain_model(MaskedAttention("given"), (inputs["x"], None, given), world_size=2)
     about = [r for r in caplog.records if "explicit" in r.getMessage() and "query rows" in r.getMessage()]
     assert [r.levelname for r in about] == ["WARNING", "INFO"], [(r.levelname, r.getMessage()) for r in about]
     text = about[0].getMessage()

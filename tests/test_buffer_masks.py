@@ -1,6 +1,6 @@
 """Masks held in module buffers (nanoGPT's ``bias``) are classified from their values at compile time.
 
-cp_compile/passes/masks/buffers.py evaluates a mask term that reads only constants and
+cp_compile/passes/analyze/masks/buffers.py evaluates a mask term that reads only constants and
 gradient-free state once, on the real buffer, and compares it with a band: nanoGPT's
 ``tril`` buffer becomes the ring op's ``causal=True`` with no attention-mask tensor (it
 was an explicit c x S mask per rank). Each case compiles a small GPT unchanged and
@@ -172,9 +172,9 @@ class _OneLayer(nn.Module):
 
 
 def _ring_args(model: nn.Module) -> list:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
-    report = inspect(model, (torch.randn(2, 16, 16),), world_size=2)
+    report = explain_model(model, (torch.randn(2, 16, 16),), world_size=2)
     return [(n.args[3], n.kwargs.get("window", -1), "attn_mask" in n.kwargs)
             for n in report.after.graph.nodes if RING in str(n.target)]
 
@@ -219,7 +219,7 @@ def test_a_learned_bias_is_still_refused() -> None:
 
 def test_band_of_a_pattern() -> None:
     """The comparison itself: a band when the pattern is one, for every batch and head, else None."""
-    from cp_compile.passes.masks.buffers import _band
+    from cp_compile.passes.analyze.masks.buffers import _band
 
     ones = torch.ones(6, 6, dtype=torch.bool)
     per_batch = torch.stack([ones.tril(), ones.tril(-1) | torch.eye(6, dtype=torch.bool).flip(0)])[:, None]

@@ -208,7 +208,7 @@ class _Nested(nn.Module):
 
 def test_nested_regions_open_fully_and_a_checkpoint_stays_one() -> None:
     """No process group needed: the pass alone, on Dynamo's graph of :class:`_Nested`."""
-    from cp_compile.passes.regions import inline_regions, region_of
+    from cp_compile.passes.normalize.regions import inline_regions, region_of
 
     graphs: List[torch.fx.GraphModule] = []
 

@@ -9,7 +9,7 @@ so each rank summed its own tokens only (loss off by 2.6e-3, gradients off 11x, 
     before: g (2, 2, 1, 16, 4) Sharded(3) ─ cumsum(-2) ─> Sharded(3)   this rank's tokens only
     after:  g (2, 2, 1, 16, 4) Sharded(3) ─ gather ─ cumsum(-2) ─ index by position ─> Sharded(3)
 
-(cp_compile.passes.oracle_aten._scan). Qwen3-Next writes ``cumsum(dim=3)`` and was exact.
+(cp_compile.passes.propagate.oracle_aten._scan). Qwen3-Next writes ``cumsum(dim=3)`` and was exact.
 The function below is the transformers 5.23 reference body; exact on 2 ranks.
 """
 

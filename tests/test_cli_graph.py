@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import textwrap
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from cp_compile.tools import graph_commands as cli_graph
 from cp_compile.tools.graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 from cp_compile.tools.targets import TargetError, example_inputs, load_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +97,7 @@ def test_dump_world_size_4_striped(capsys):
 def test_explain_llama_bytes_by_hand():
     model, ex, kw = load_target(LLAMA)
     assert kw == {}
-    r = inspect(model, ex, world_size=4, example_kwargs=kw)
+    r = explain_model(model, ex, world_size=4, example_kwargs=kw)
     B, H_kv, D, S, N, fp32 = 2, 2, 16, 64, 4, 4
     c = S // N
     kv_block = 2 * B * H_kv * c * D * fp32  # K and V of one hop
@@ -367,7 +366,7 @@ def test_explain_hf_llama_packed_documents_states_the_document_ids(tmp_path, cap
     path = tmp_path / "hf_packed.py"
     path.write_text(HF_PACKED)
     model, args, kwargs = load_target(f"{path}:packed", seq_len=seq_len)
-    report = inspect(model, args, world_size=world, example_kwargs=kwargs)
+    report = explain_model(model, args, world_size=world, example_kwargs=kwargs)
     B = 2
     rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
     given = [("attn_mask" in n.kwargs, tuple(n.kwargs["doc_ids"].meta["val"].shape)) for n in rings]

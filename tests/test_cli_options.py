@@ -12,7 +12,7 @@ import pytest
 
 from test_cli_graph import LLAMA, run
 
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 from cp_compile.tools.targets import load_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def test_every_option_flag_runs_and_reaches_the_rewrite(flags, capsys):
         if key in options:
             options[key] = {"input_ids": 1, "labels": 1} if value == "input_ids=1,labels=1" else value
     options["strict"] = "--strict" in flags
-    ctx = inspect(model, args, example_kwargs=kwargs, dynamic="--dynamic" in flags, **options).ctx
+    ctx = explain_model(model, args, example_kwargs=kwargs, dynamic="--dynamic" in flags, **options).ctx
     for key, value in options.items():
         assert getattr(ctx, key) == value, key
     assert f"record: {ctx.record.summary()}" in out  # the record explain printed is this one

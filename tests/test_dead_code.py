@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_compile.passes.emitter import mutates
+from cp_compile.passes.propagate.emitter import mutates
 
 VOCAB, DIM, HEADS, SEQ = 64, 32, 4, 16
 
@@ -40,12 +40,12 @@ def _dead(gm: fx.GraphModule) -> list:
 
 
 def test_no_dead_values_after_the_rewrite() -> None:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in range(2))
-    report = inspect(CausalEncoderLM(), (tokens, labels), world_size=2)
+    report = explain_model(CausalEncoderLM(), (tokens, labels), world_size=2)
     assert report.rewritten and [m.causal for m in report.masks] == [True, True], report.masks
     assert _dead(report.after) == [], _dead(report.after)
     targets = {n.target for n in report.after.graph.nodes}

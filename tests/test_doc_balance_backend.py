@@ -1,7 +1,7 @@
 """``load_balance="documents"``: the ring_cp backend lays each batch out by its packed documents.
 
 The compiled graph computes the table of every rank's positions from the document ids the masks
-compare (``torch.ops.cp_compile.document_table``, :mod:`cp_compile.passes.doc_table`) and uses
+compare (``torch.ops.cp_compile.document_table``, :mod:`cp_compile.passes.propagate.doc_table`) and uses
 ``table[rank]`` wherever a fixed layout's positions were constants. On N = 2 and 4 gloo ranks,
 against the same model run eagerly in one process on the full sequence (fp32, relative error
 <= 1e-5): the hand-written packed model of examples/packed.py (forms ``index`` and
@@ -29,7 +29,7 @@ from packed import positions as _positions
 
 import cp_compile
 from checks import AttentionCount, explain_record, grad_errors, rel, ring_mismatches
-from cp_compile.doc_layout import imbalance, layout_table, rank_work, zigzag_layout
+from cp_compile.document_layout import imbalance, layout_table, rank_work, zigzag_layout
 from cp_compile.errors import CPRewriteError
 
 TOL = 1e-5
@@ -166,10 +166,10 @@ def test_hf_llama_packed_is_exact(ranks, world: int) -> None:
 
 # -- refusals and the record, no process group ------------------------------------------------------
 def _inspect(model, args, **options):
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     torch._dynamo.reset()
-    return inspect(model, args, world_size=options.pop("world_size", 2), load_balance="documents", **options)
+    return explain_model(model, args, world_size=options.pop("world_size", 2), load_balance="documents", **options)
 
 
 def test_an_attention_without_documents_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""The document-aware layout (cp_compile.doc_layout) and its work model; pure, single process.
+"""The document-aware layout (cp_compile.document_layout) and its work model; pure, single process.
 
 - the layout is a partition of range(S) with S/N sorted positions per rank, for random
   packings (tiny documents, one document longer than S/N, S not a multiple of 2N, ...);
@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_compile.doc_layout import (
+from cp_compile.document_layout import (
     MIN_CHUNKS,
     document_positions,
     imbalance,

@@ -132,9 +132,9 @@ def test_reference_is_the_compiled_one_process_run(style):
 
 
 def _after(model: nn.Module, inputs: tuple):
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
-    return inspect(model, inputs, world_size=2).after
+    return explain_model(model, inputs, world_size=2).after
 
 
 def _ring_calls(model: nn.Module, inputs: tuple) -> list:
@@ -168,10 +168,10 @@ def test_ring_op_gets_the_mods_and_whole_buffers(style, score, buffers):
 def test_record_states_the_mask_form(style, form):
     """The per-graph record (and so explain) names the mods and the bytes of their buffers per rank
     (ALiBi: one (4,) fp32 slopes buffer)."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     model, inputs = flex_models.FACTORIES[style]()
-    assert inspect(model, inputs, world_size=2).ctx.record.masks == [form] * 2
+    assert explain_model(model, inputs, world_size=2).ctx.record.masks == [form] * 2
 
 
 def _refusal(model: nn.Module, inputs: tuple) -> str:
@@ -211,7 +211,7 @@ def test_max_scores_are_refused():
     (kernel_options["OUTPUT_MAX"], what flex records on a GPU)."""
     from cp_compile.group import CPGroup
     from cp_compile.passes.context import RewriteContext
-    from cp_compile.passes.find_attention import find_attention
+    from cp_compile.passes.analyze.find_attention import find_attention
 
     graphs = []
     torch._dynamo.reset()

@@ -148,10 +148,10 @@ def test_hand_written_attention_becomes_the_ring(ranks, world: int, name: str) -
 def test_causal_triu_mask_becomes_the_causal_flag() -> None:
     """The triu-built mask is no tensor at all: the ring op gets causal=True and no attn_mask,
     and the S x S mask construction and scores are gone from the rewritten graph."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     model, inputs = _model("causal")
-    report = inspect(model, inputs, world_size=2)
+    report = explain_model(model, inputs, world_size=2)
     rings = [n for n in report.after.graph.nodes if n.target is torch.ops.cp_compile.ring_attention_fwd.default]
     assert len(rings) == 2
     for ring in rings:
@@ -163,10 +163,10 @@ def test_causal_triu_mask_becomes_the_causal_flag() -> None:
 
 def test_fused_sdpa_keeps_the_source_line() -> None:
     """The SDPA that replaces the hand-written attention points at the model's `att @ v` line."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     model, inputs = _model("3-d")
-    report = inspect(model, inputs, world_size=2)
+    report = explain_model(model, inputs, world_size=2)
     sdpa = [n for n in report.before.graph.nodes if n.target is F.scaled_dot_product_attention]
     assert len(sdpa) == 1 and "torch.matmul(weights, v)" in sdpa[0].meta["stack_trace"], sdpa
     assert sdpa[0].kwargs["scale"] == pytest.approx(0.25) and sdpa[0].kwargs["is_causal"] is False

@@ -179,10 +179,10 @@ class _MaskedAttention(torch.nn.Module):
 @pytest.mark.parametrize("mask,causal", [("causal", True), ("causal_flipped", True),
                                          ("window_as_long_as_s", True), ("full", False)])
 def test_graph_built_masks_become_the_ring_causal_flag(mask: str, causal: bool) -> None:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     S = 32
-    report = inspect(_MaskedAttention(mask), (torch.randn(2, S, 16),), world_size=2)
+    report = explain_model(_MaskedAttention(mask), (torch.randn(2, S, 16),), world_size=2)
     rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
     assert [n.args[3] for n in rings] == [causal] and "window" not in rings[0].kwargs
     for n in report.after.graph.nodes:  # the S x S mask is never built
@@ -192,9 +192,9 @@ def test_graph_built_masks_become_the_ring_causal_flag(mask: str, causal: bool) 
 
 def test_sliding_window_mask_becomes_the_ring_window() -> None:
     """A causal window shorter than S is the ring op's ``window`` (0 <= q - kv < W)."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
-    report = inspect(_MaskedAttention("window_4"), (torch.randn(2, 32, 16),), world_size=2)
+    report = explain_model(_MaskedAttention("window_4"), (torch.randn(2, 32, 16),), world_size=2)
     rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
     assert [(n.args[3], n.kwargs.get("window")) for n in rings] == [(True, 4)]
 
@@ -218,8 +218,8 @@ class _RopeMatmul(torch.nn.Module):
 
 
 def test_rope_matmul_with_sharded_positions_needs_no_gather() -> None:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     S = 32
-    report = inspect(_RopeMatmul(), (torch.randn(2, S, 16), torch.arange(S)[None].expand(2, -1)), world_size=2)
+    report = explain_model(_RopeMatmul(), (torch.randn(2, S, 16), torch.arange(S)[None].expand(2, -1)), world_size=2)
     assert sorted(report.shard_inputs.values()) == [1, 1] and report.fallbacks == [], report.fallbacks

@@ -95,7 +95,7 @@ class Attn(nn.Module):
 def _kind(form: Callable[[], torch.Tensor], q, k, v):
     from cp_compile.group import CPGroup
     from cp_compile.passes.context import RewriteContext
-    from cp_compile.passes.find_attention import find_attention
+    from cp_compile.passes.analyze.find_attention import find_attention
 
     graphs: List[torch.fx.GraphModule] = []
     torch._dynamo.reset()
@@ -108,8 +108,8 @@ def _kind(form: Callable[[], torch.Tensor], q, k, v):
 
 def _grid(kind, node) -> Tuple[torch.Tensor, torch.Tensor]:
     """(keep, bias) on (B|1, H|1, S, S) as the ring op applies ``kind`` (flags, then rules, then explicit)."""
-    from cp_compile.passes.masks.buffers import real_values
-    from cp_compile.passes.masks.lift import as_mod
+    from cp_compile.passes.analyze.masks.buffers import real_values
+    from cp_compile.passes.analyze.masks.lift import as_mod
     from cp_compile.ring.mods import Mods
 
     q, kv = _pos()
@@ -166,7 +166,7 @@ def test_mask_as_the_ring_applies_it_is_the_mask_tensor(name: str) -> None:
 def test_a_rule_that_does_not_compute_its_term_is_not_used(monkeypatch) -> None:
     """The compile-time check (masks/verify.py): a lifted rule whose body is wrong is refused, and
     the term stays an explicit mask (exact); the WARNING names the term."""
-    from cp_compile.passes.masks import lift
+    from cp_compile.passes.analyze.masks import lift
 
     real = lift._Walk._op
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import cp_compile
 from checks import AttentionCount, grad_errors, rel, ring_mismatches
 from cp_compile.errors import CPRewriteError
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 
 S, B, VOCAB, DIM, H, NOPE, ROPE, DV, GROUPS = 32, 2, 61, 32, 2, 8, 8, 4, 4
 
@@ -97,7 +97,7 @@ def test_mla_keys_padded_heads_and_an_in_place_gathered_write_are_exact(ranks):
 
 def test_assembled_keys_need_no_gather_and_v_is_padded_to_the_key_head_dim():
     torch.manual_seed(0)
-    report = inspect(MLA(), _inputs(), world_size=2)
+    report = explain_model(MLA(), _inputs(), world_size=2)
     nodes = list(report.after.graph.nodes)
     new_empty = next(n for n in nodes if n.target == "new_empty")
     assert S not in new_empty.args[1]  # (B, H, size(kv_nope, 2), D_qk): made at the local length
@@ -110,4 +110,4 @@ def test_assembled_keys_need_no_gather_and_v_is_padded_to_the_key_head_dim():
 def test_an_unruled_in_place_write_into_a_view_of_a_sharded_value_is_refused():
     torch.manual_seed(0)
     with pytest.raises(CPRewriteError, match=r"cumsum_ at .*test_mla.py:\d+.*view of a sequence-sharded.*Fix:"):
-        inspect(MLA(view_write=True), _inputs(), world_size=2)
+        explain_model(MLA(view_write=True), _inputs(), world_size=2)

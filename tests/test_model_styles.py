@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import model_styles
 
 from checks import grad_errors, loss_through_ring_cp, rel
-from cp_compile.passes.rules.einsum import parse_equation
+from cp_compile.passes.propagate.rules.einsum import parse_equation
 
 TOL = 1e-5
 STYLES = [("llama3_complex_rope_factory", {}), ("llama3_complex_rope_factory", {"kv_heads": 4}),
@@ -79,10 +79,10 @@ class _Probe(nn.Module):
 
 
 def _fallbacks(op) -> list:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     torch.manual_seed(0)
-    report = inspect(_Probe(op), (torch.randn(2, 16, 32),), world_size=2)
+    report = explain_model(_Probe(op), (torch.randn(2, 16, 32),), world_size=2)
     return [f.message for f in report.fallbacks]
 
 

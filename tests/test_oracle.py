@@ -1,4 +1,4 @@
-"""The rule oracle (cp_compile/passes/oracle.py; docs/design.md §8): ops the rule table
+"""The rule oracle (cp_compile/passes/propagate/oracle.py; docs/design.md §8): ops the rule table
 does not list are decided from their ATen decomposition before the rewrite gathers the sequence.
 Per-token ops stay sharded; ops that mix tokens still gather (and warn)."""
 
@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checks import AttentionCount, explain_record, grad_errors, loss_through_ring_cp, rel, ring_mismatches
-from cp_compile.tools.explain import inspect
-from cp_compile.passes import oracle
-from cp_compile.passes.rules.table import RULES
+from cp_compile.tools.explain import explain_model
+from cp_compile.passes.propagate import oracle
+from cp_compile.passes.propagate.rules.table import RULES
 
 S, D, TOL = 16, 8, 1e-5
 
@@ -83,7 +83,7 @@ MIXING = {
 
 def _report(op: Callable):
     torch.manual_seed(0)
-    return inspect(_Op(op), (torch.randn(2, S, D),), world_size=2)
+    return explain_model(_Op(op), (torch.randn(2, S, D),), world_size=2)
 
 
 @pytest.mark.parametrize("name", sorted(PER_TOKEN))

@@ -1,6 +1,6 @@
 """Packed documents in compiled graphs: document mask terms become the ring op's ``doc_ids``.
 
-A mask term ``X[b, q] == X[b, kv]`` over per-position integer ids X (cp_compile/passes/masks/docs.py)
+A mask term ``X[b, q] == X[b, kv]`` over per-position integer ids X (cp_compile/passes/analyze/masks/documents.py)
 is handed to the ring op as the whole X (4-8 bytes a token) instead of c x S explicit rows per
 rank. Each case compiles a model unchanged and compares, on N = 2 and 4 gloo ranks, its loss
 and every parameter gradient with the same model run eagerly in one process on the full
@@ -143,27 +143,27 @@ class _Two(torch.nn.Module):
 
 @pytest.mark.parametrize("kind", ["two", "not_per_position"])
 def test_other_equalities_stay_explicit(kind: str) -> None:
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     x, a = torch.randn(2, S, 16), _doc_ids(LENGTHS)
     b = _doc_ids([[50, 46], [10, 86]]) if kind == "two" else torch.randint(0, 3, (2, S, S))
     torch._dynamo.reset()
-    rec = inspect(_Two(kind), (x, a, b), world_size=2).ctx.record
+    rec = explain_model(_Two(kind), (x, a, b), world_size=2).ctx.record
     assert rec.masks and all(m.startswith("explicit;") for m in rec.masks), rec.masks
 
 
 def test_document_ids_from_activations_are_refused() -> None:
     from cp_compile.errors import CPRewriteError
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     torch._dynamo.reset()
     with pytest.raises(CPRewriteError, match=r"document ids .*examples/packed.py:\d+.*Fix: compute the document ids"):
-        inspect(DocAttention("activations"), (torch.randn(2, S, 16), _doc_ids(LENGTHS)), world_size=2)
+        explain_model(DocAttention("activations"), (torch.randn(2, S, 16), _doc_ids(LENGTHS)), world_size=2)
 
 
 def test_hf_mistral_packed_sliding_window_keeps_its_window() -> None:
     """HF's remapped ``position_ids[b, kv] > position_ids[b, q] - W`` inside documents: the ring's window."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
     from cp_compile.tools.explain_format import format_explain
 
     class Packed(PackedLlama):
@@ -174,7 +174,7 @@ def test_hf_mistral_packed_sliding_window_keeps_its_window() -> None:
     torch._dynamo.reset()
     ids, labels = hf_models.hf_tokens(S)
     with torch._dynamo.config.patch(specialize_float=True):
-        report = inspect(Packed(), (ids, labels, _positions(LENGTHS)), world_size=2)
+        report = explain_model(Packed(), (ids, labels, _positions(LENGTHS)), world_size=2)
     rec = report.ctx.record
     assert rec.masks == ["causal + window 16 + documents; per rank: doc_ids (2, 96) int64 1.5 KiB"] * 2, rec.masks
     assert not rec.fallbacks, rec.fallbacks

@@ -18,7 +18,6 @@ gathers (one gather_seq, no all-gather anywhere else).
 from __future__ import annotations
 
 import pytest
-import torch
 
 import cp_compile
 from checks import AttentionCount, grad_errors, rel, ring_mismatches

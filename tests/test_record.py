@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import models
 
 from cp_compile.tools.explain_format import format_explain
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 
 
 class _MixesEarly(nn.Module):
@@ -41,7 +41,7 @@ class _MixesEarly(nn.Module):
 def test_fully_sharded_model_records_a_high_fraction() -> None:
     model, inputs = models.llama_factory()
     for world in (2, 4):
-        rec = inspect(model, inputs, world_size=world).ctx.record
+        rec = explain_model(model, inputs, world_size=world).ctx.record
         assert rec.rings == len(rec.attention) == 2 and rec.fallbacks == []
         assert rec.shard_inputs == {"input_ids": 1}
         assert rec.sharded_fraction > 0.9, rec  # everything but the weights' uses is per token
@@ -50,14 +50,14 @@ def test_fully_sharded_model_records_a_high_fraction() -> None:
 def test_a_fallback_shaped_like_its_input_is_sharded_again() -> None:
     """The cumsum runs on the gathered sequence; the MLP after it holds 1/N of the tokens (views hold no
     bytes, so in this tiny model the one gathered (B, S, D) value is a third of what is held)."""
-    report = inspect(_MixesEarly("cumsum"), (torch.randint(0, 32, (2, 16)),), world_size=2)
+    report = explain_model(_MixesEarly("cumsum"), (torch.randint(0, 32, (2, 16)),), world_size=2)
     rec = report.ctx.record
     assert rec.rings == 1 and len(rec.fallbacks) == 1 and rec.sharded_fraction > 0.6, rec
 
 
 def test_a_mostly_whole_graph_warns_and_explain_says_so(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
-        report = inspect(_MixesEarly("rotate"), (torch.randint(0, 32, (2, 16)),), world_size=2)
+        report = explain_model(_MixesEarly("rotate"), (torch.randint(0, 32, (2, 16)),), world_size=2)
     rec = report.ctx.record
     assert rec.rings == 1 and len(rec.fallbacks) == 2 and rec.sharded_fraction < 0.5, rec
     assert any("of its activation bytes sharded" in r.getMessage() and "test_record.py:" in r.getMessage() for r in caplog.records)
@@ -83,7 +83,7 @@ def test_a_graph_mostly_of_mask_rows_warns_naming_the_mask(caplog) -> None:
     """The low-fraction WARNING says what holds the bytes: here the explicit mask rows, not a fallback."""
     doc = torch.repeat_interleave(torch.arange(4), 64)[None]  # (1, 256): four documents
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
-        rec = inspect(_FloatDocMask(), (torch.randn(1, 256, 16), doc), world_size=2).ctx.record
+        rec = explain_model(_FloatDocMask(), (torch.randn(1, 256, 16), doc), world_size=2).ctx.record
     assert rec.fallbacks == [] and rec.sharded_fraction < 0.5, rec
     assert rec.masks == ["causal + explicit; per rank: attn_mask (1, 1, 128, 256) float32 128.0 KiB"], rec.masks
     low = [r.getMessage() for r in caplog.records if "of its activation bytes sharded" in r.getMessage()]

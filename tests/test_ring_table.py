@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import cp_compile
-from cp_compile.doc_layout import imbalance, layout_table, rank_work, zigzag_layout
+from cp_compile.document_layout import imbalance, layout_table, rank_work, zigzag_layout
 from cp_compile.ring.plan import segment_pairs, step_segments, table_segments
 from cp_compile.sequence import check_table, rank_positions
 from test_ring_docs import _ids, _reference, dense_mask

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cp_compile.passes.rules import RULES
-from cp_compile.passes.rules.common import _key
-from cp_compile.tools.explain import inspect
+from cp_compile.passes.propagate.rules import RULES
+from cp_compile.passes.propagate.rules.common import _key
+from cp_compile.tools.explain import explain_model
 
 S, D, C = 16, 8, 8
 
@@ -62,7 +62,7 @@ ROWS: dict = {
 
 def _rewrite(op: Callable) -> Any:
     torch.manual_seed(0)
-    return inspect(_Op(op), (torch.randn(2, S, D),), world_size=2)
+    return explain_model(_Op(op), (torch.randn(2, S, D),), world_size=2)
 
 
 def _node(gm: torch.fx.GraphModule, target: Any) -> torch.fx.Node:
@@ -94,7 +94,7 @@ def test_rule_row(name: str) -> None:
     node = _result(report, original)
     assert tuple(node.meta["val"].shape) == local, (name, tuple(node.meta["val"].shape))
     rule = RULES[_key(original)]
-    assert rule.__module__ == f"cp_compile.passes.rules.{module}", (name, rule.__module__)
+    assert rule.__module__ == f"cp_compile.passes.propagate.rules.{module}", (name, rule.__module__)
 
 
 def test_rows_cover_every_rule_module() -> None:

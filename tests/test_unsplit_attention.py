@@ -118,23 +118,23 @@ def test_unsplit_attention_is_refused_under_strict(ranks, name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_explain_reports_the_same_finding(name: str) -> None:
     from cp_compile.tools.explain_format import format_explain
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
 
     model, inputs = _model(name)
-    text = format_explain(inspect(model, inputs, world_size=2))
+    text = format_explain(explain_model(model, inputs, world_size=2))
     assert "attention: none found" in text, text
     assert "WARNING: attention that ring_cp cannot split, at" in text and "test_unsplit_attention.py:" in text, text
 
 
 def test_a_plain_softmax_is_not_attention() -> None:
     """Softmax over a (B, C) logit vector, or over a non-square product: no warning."""
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
     from cp_compile.passes.context import RewriteContext
-    from cp_compile.passes.unsplit import find_unsplit_attention
+    from cp_compile.passes.analyze.unsplit import find_unsplit_attention
 
     class Classifier(nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return torch.softmax(x @ w, dim=-1).sum()  # (B, S, D) @ (D, C): not square
 
-    report = inspect(Classifier(), (torch.randn(2, 16, 8), torch.randn(8, 5)), world_size=2)
+    report = explain_model(Classifier(), (torch.randn(2, 16, 8), torch.randn(8, 5)), world_size=2)
     assert find_unsplit_attention(report.before, RewriteContext(group=report.ctx.group)) == []

@@ -26,7 +26,7 @@ import sys
 import pytest
 
 from checks import pieces_mismatches
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 from zoo import members
 from zoo.measure import measure
 
@@ -84,6 +84,6 @@ def test_cli_explain_on_the_member_file_prints_the_record(name, capsys):
     assert cmd_explain(parser.parse_args(["explain", _target(ZOO[name])])) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("record: ")]
     model, args, kwargs = load_target(_target(ZOO[name]))
-    want = inspect(model, args, world_size=2, example_kwargs=kwargs).ctx.record
+    want = explain_model(model, args, world_size=2, example_kwargs=kwargs).ctx.record
     assert printed == [f"record: {want.summary()}"], printed
     assert want.rings == len(want.attention) > 0 and not want.fallbacks, want.summary()

@@ -17,7 +17,7 @@ import torch
 
 from checks import AttentionCount, grad_errors, rel, ring_mismatches
 from cp_compile.passes.context import CPRewriteError
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 from zoo import alibi, prefix_lm
 
 TOL = 1e-5
@@ -26,7 +26,7 @@ S = 80
 
 def _rings(model, args, world: int = 2) -> list:
     """The ring ops of the rewritten forward graph (no process group: the rewrite alone)."""
-    after = inspect(model, args, world_size=world).after
+    after = explain_model(model, args, world_size=world).after
     fwd = torch.ops.cp_compile.ring_attention_fwd.default
     return [n for n in after.graph.nodes if n.op == "call_function" and n.target is fwd]
 
@@ -126,7 +126,7 @@ class _LearnedAlibi(alibi.AlibiAttention):
 
 def test_a_learned_bias_is_refused_naming_the_line_and_the_fix() -> None:
     with pytest.raises(CPRewriteError) as err:
-        inspect(_LearnedAlibi(), (torch.randn(3, S, 32),), world_size=2)
+        explain_model(_LearnedAlibi(), (torch.randn(3, S, 32),), world_size=2)
     text = str(err.value)
     assert "requires grad" in text and "alibi.py:" in text and "Fix:" in text, text
 

@@ -2,7 +2,7 @@
 nn_decoder_only, vit_registers, video_vit, bert), checked on the rewritten graph:
 
 * a patch-embedding convolution (stride = kernel) is opened into patches + linear
-  (``cp_compile.passes.patch_conv``), and the row selection reads only this rank's patches
+  (``cp_compile.passes.normalize.patch_conv``), and the row selection reads only this rank's patches
   off the image (``row_select``: the merged reshape indexed at the unravelled positions):
   no convolution left, the patch linear runs on this rank's patch rows only, for ViT's
   Conv2d (cls + registers before the patches) and a video Conv3d tubelet;
@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from checks import AttentionCount, grad_errors, rel, ring_mismatches
 from cp_compile.errors import CPRewriteError
 from cp_compile.sequence import rank_positions
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 from zoo import nn_decoder_only, nn_encoder, video_vit, vit_registers
 
 
 def _after(factory, rank: int, **opts):
     model, args = factory()
-    return inspect(model, args, world_size=2, rank=rank, **opts).after
+    return explain_model(model, args, world_size=2, rank=rank, **opts).after
 
 
 def _calls(gm, name: str):
@@ -79,14 +79,14 @@ def test_overlapping_convolution_is_left_as_written() -> None:
 def test_decoder_layer_cross_attention_is_named_with_the_fix(caplog) -> None:
     model, args = nn_decoder_only.decoder_layer_factory()
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
-        inspect(model, args, world_size=2)
+        explain_model(model, args, world_size=2)
     (msg,) = [r.getMessage() for r in caplog.records if "TransformerDecoderLayer" in r.getMessage()]
     for part in ("cross-attention of nn.TransformerDecoderLayer model.layer", "multihead_attn", "memory",
                  "cannot be made context-parallel", "nn_decoder_only.py:", "nn.TransformerEncoderLayer with a causal mask",
                  "generate_square_subsequent_mask"):
         assert part in msg, (part, msg)
     with pytest.raises(CPRewriteError, match="TransformerDecoderLayer model.layer.*strict=True"):
-        inspect(model, args, world_size=2, strict=True)
+        explain_model(model, args, world_size=2, strict=True)
 
 
 def _eval_exact(name: str) -> dict:

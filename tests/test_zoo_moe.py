@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing under ring_cp (cp_compile.passes.rules.routing, routing_rows).
+"""Mixture-of-experts routing under ring_cp (cp_compile.passes.propagate.rules.routing, routing_rows).
 
 The zoo members ``mixtral`` (hand-written, ``torch.where`` per expert + ``index_add_``) and
 ``hf_mixtral`` (transformers' ``grouped_mm`` experts: sort by expert, grouped matmul, inverse
@@ -26,12 +26,12 @@ import torch.nn.functional as F
 import cp_compile
 from checks import AttentionCount, grad_errors, rel, ring_mismatches
 from cp_compile.errors import CPRewriteError
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 from zoo import BATCH, SEQ_LEN
 from zoo import hf_mixtral, mixtral
 
 def _explain(model, args, world=2):
-    return inspect(model, args, world_size=world)  # fullgraph=True: Dynamo keeps nonzero in the graph
+    return explain_model(model, args, world_size=world)  # fullgraph=True: Dynamo keeps nonzero in the graph
 
 
 def _targets(gm) -> list:

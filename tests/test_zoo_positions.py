@@ -1,4 +1,4 @@
-"""Per-token ids reading a whole table (cp_compile/passes/rules/getitem.py ``_table_lookup``):
+"""Per-token ids reading a whole table (cp_compile/passes/propagate/rules/getitem.py ``_table_lookup``):
 ``cos_cached[position_ids]`` with the ids sharded like the tokens is this rank's rows of the
 result, read from the whole table with no communication (examples/zoo/position_ids.py). Indexing
 a sharded value with tensors, or a table with sharded booleans, is still gathered and warned."""
@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from zoo import position_ids
 from zoo.measure import measure
 
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 
 
 def test_a_rope_cache_read_at_position_ids_is_sharded_where_the_ids_are():
     model, kwargs = position_ids.factory()
-    report = inspect(model, (), world_size=4, example_kwargs=kwargs)
+    report = explain_model(model, (), world_size=4, example_kwargs=kwargs)
     assert report.shard_inputs["position_ids"] == 1 and report.fallbacks == []
     reads = [n for n in report.after.graph.nodes if n.name in ("cos", "sin")]
     assert len(reads) == 2
@@ -44,7 +44,7 @@ class _Reads(nn.Module):
 
 
 def test_indexing_a_sharded_value_with_tensors_is_gathered_and_named():
-    report = inspect(_Reads(), (torch.randint(0, 37, (2, 16)),), world_size=2)
+    report = explain_model(_Reads(), (torch.randint(0, 37, (2, 16)),), world_size=2)
     assert len(report.fallbacks) == 1
     msg = report.fallbacks[0].message
     assert "indexing with tensors on a sharded value" in msg and "test_zoo_positions.py:" in msg

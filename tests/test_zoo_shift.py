@@ -1,7 +1,7 @@
-"""A label shift inside the model (cp_compile/passes/loss_shift.py): ``loss(logits[:, :-n], y)``
+"""A label shift inside the model (cp_compile/passes/normalize/loss_shift.py): ``loss(logits[:, :-n], y)``
 becomes ``loss(logits, y padded by ignore_index)``, so only integer targets every rank holds whole
 move and the logits are never gathered; a slice of a sequence input every rank was passed whole
-slices that whole value (cp_compile/passes/rules/getitem.py). What is not such a shift (a strided
+slices that whole value (cp_compile/passes/propagate/rules/getitem.py). What is not such a shift (a strided
 slice, ``reduction="none"``, a slice of hidden states) keeps the gather, warned with its line."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -18,7 +17,7 @@ import models
 from checks import grad_errors, loss_through_ring_cp, rel
 from zoo import nanogpt
 
-from cp_compile.tools.explain import inspect
+from cp_compile.tools.explain import explain_model
 
 TOL = 1e-5
 
@@ -42,7 +41,7 @@ def _sliced(gm) -> list:
 @pytest.mark.parametrize("shift", [1, 2])
 def test_shifted_loss_has_no_slice_of_the_logits_and_no_gather(shift):
     model, inputs = nanogpt.factory(shift=shift)
-    report = inspect(model, inputs, world_size=2)
+    report = explain_model(model, inputs, world_size=2)
     assert report.ctx.record.fallbacks == [] and report.fallbacks == []
     assert _calls(report.after, "gather_seq") == 0
     assert _sliced(report.after) == []  # logits (B, c, V) go to the loss unsliced
@@ -54,7 +53,7 @@ def test_targets_read_from_the_token_ids_slice_the_whole_input():
     """targets = idx (one tensor passed twice: one sharded graph input): idx[:, 1:] is a slice of
     the whole input every rank was passed, not of its shard."""
     model, (idx, _) = nanogpt.factory()
-    report = inspect(model, (idx, idx), world_size=4)
+    report = explain_model(model, (idx, idx), world_size=4)
     assert report.shard_inputs == {"idx": 1} and report.fallbacks == []
     assert _calls(report.after, "gather_seq") == 0
 
@@ -93,7 +92,7 @@ def _tokens(seq: int = 24):
 @pytest.mark.parametrize("form", ["strided", "none"])
 def test_what_is_not_a_shift_keeps_the_gather_and_names_the_line(form, caplog):
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
-        report = inspect(_Shifted(form), _tokens(), world_size=2)
+        report = explain_model(_Shifted(form), _tokens(), world_size=2)
     assert len(report.fallbacks) == 1, report.fallbacks
     msg = report.fallbacks[0].message
     assert "slicing the sequence dim" in msg and "test_zoo_shift.py:" in msg and "logits[:, " in msg
@@ -164,6 +163,6 @@ def test_under_a_symbolic_length_the_shift_is_rewritten_too():
     """Dynamic shapes: the bounds [:, :-1] / [:, 1:] mean the same at every length; the target's
     length S - 1 is computed in the graph from the logits' symbolic size."""
     model, inputs = models.llama_factory(seq_len=50, shift_labels_inside=True)
-    report = inspect(model, inputs, world_size=4, dynamic=True)
+    report = explain_model(model, inputs, world_size=4, dynamic=True)
     assert report.ctx.seq_sym is not None and report.fallbacks == []
     assert _calls(report.after, "gather_seq") == 0

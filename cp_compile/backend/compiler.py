@@ -26,19 +26,19 @@ from ..options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)
 from .eager_guard import guard_eager_parameters
 from .local_guard import guard_local_shards
 from ..passes.context import CPRewriteError, RewriteContext, global_shape
-from ..passes.expand_fastpath import expand_fastpath
-from ..passes.expand_mha import expand_mha
-from ..passes.find_attention import find_attention
-from ..passes.fuse_attention import fuse_attention
-from ..passes.grad_share import share_parameter_grads
-from ..passes.loss_shift import move_loss_slices
-from ..passes.nested import refuse_nested_tensors
-from ..passes.rewrite import rewrite_graph
-from ..passes.regions import checkpoint_regions, inline_regions
-from ..passes.repropagate import repropagate
-from ..passes.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
-from ..passes.seq_origins import choose_seq_origins
-from ..passes.unsplit import find_unsplit_attention
+from ..passes.normalize.expand_fastpath import expand_fastpath
+from ..passes.normalize.expand_mha import expand_mha
+from ..passes.analyze.find_attention import find_attention
+from ..passes.normalize.fuse_attention import fuse_attention
+from ..passes.finalize.grad_share import share_parameter_grads
+from ..passes.normalize.loss_shift import move_loss_slices
+from ..passes.normalize.nested import refuse_nested_tensors
+from ..passes.propagate.rewrite import rewrite_graph
+from ..passes.normalize.regions import checkpoint_regions, inline_regions
+from ..passes.finalize.repropagate import repropagate
+from ..passes.analyze.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
+from ..passes.analyze.seq_origins import choose_seq_origins
+from ..passes.analyze.unsplit import find_unsplit_attention
 from .record import GraphRecord, record_graph, warn_no_attention, warn_whole_sequence
 from .schedule import inductor_overlap_config, schedule_collectives
 
@@ -228,7 +228,7 @@ def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: Li
     closed by then), with the patch that lets AOTAutograd's cache serve the graph
     (:mod:`cp_compile.backend.aot_cache`). aot_eager: the FX pass :func:`schedule_collectives`
     on both graphs. ``same_on_every_rank=False`` (the sequence arises in the graph, and each
-    rank takes its own rows of the pieces, :mod:`cp_compile.passes.row_select`): the ranks'
+    rank takes its own rows of the pieces, :mod:`cp_compile.passes.propagate.row_select`): the ranks'
     graphs differ in shapes (a cls token's gradient is all zeros on the ranks that take none
     of it), so Inductor's reordering, which follows data dependencies and peak memory, could
     order the collectives differently per rank; it is left off there.

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .cost import activation_bytes, stored_bytes, to_int
 from ..passes.context import RewriteContext, source_line
-from ..passes.graph_inputs import user_name
+from ..passes.analyze.graph_inputs import user_name
 
 log = logging.getLogger("cp_compile")
 
@@ -193,7 +193,7 @@ def warn_whole_sequence(gm: fx.GraphModule, example_inputs: List[object], seq_le
     """A graph without attention that takes activations as long as a sequence an earlier graph
     of this backend split (the logits after a graph break, say) runs on the whole sequence on
     every rank: record those inputs in ``rec.whole_inputs`` and log a WARNING once per graph."""
-    from ..passes.graph_inputs import is_parameter_like
+    from ..passes.analyze.graph_inputs import is_parameter_like
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, ex in zip(placeholders, example_inputs):
@@ -216,7 +216,7 @@ def warn_no_attention(gm: fx.GraphModule, example_inputs: List[object]) -> None:
     (a model with none: an RNN, a state-space model; or code before a graph break): compiled
     unchanged, every rank runs it on whole inputs. A WARNING once per graph, when it takes a
     batch (a non-parameter tensor of two dims or more), so no model runs without CP unsaid."""
-    from ..passes.graph_inputs import is_parameter_like
+    from ..passes.analyze.graph_inputs import is_parameter_like
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     batch = [f"{user_name(n)} {tuple(ex.shape)}" for n, ex in zip(placeholders, example_inputs)

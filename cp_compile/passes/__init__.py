@@ -31,5 +31,5 @@
 5. :mod:`.repropagate` — per-rank fake values on the rewritten graph; then
    :func:`cp_compile.backend.record.record_graph` records what the graph got.
 
-The layouts are defined in :mod:`.layouts`; what the passes share is in :mod:`.context`.
+The layouts are defined in :mod:`.propagate.placements`; what the passes share is in :mod:`.context`.
 """

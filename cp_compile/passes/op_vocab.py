@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .context import fake_value
-from .score_fn import scaled_dot_product_attention_with_scores
+from .analyze.score_fn import scaled_dot_product_attention_with_scores
 
 # attention the ring replaces: SDPA, and SDPA with a function of the scores (score_fn.py: soft-capping)
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,

@@ -220,7 +220,7 @@ def ring_attention(
         positions: a layout computed per batch, in place of ``load_balance``: an (N, S_local)
             int64 table whose row r lists rank r's global positions, sorted, the rows a
             partition of range(S), the same whole tensor on every rank (e.g.
-            ``cp_compile.doc_layout.layout_table(doc_lengths, N)``, balanced for packed
+            ``cp_compile.document_layout.layout_table(doc_lengths, N)``, balanced for packed
             documents); shard q, k, v with ``cp_compile.shard(x, 2, positions=table)``. One table
             serves the whole batch (docs/api.md, "A layout computed per batch").
         timeout: seconds each wait for a peer may take before the op raises

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import torch
 
 from ..group import CPGroup
-from .docs import DocIndex, doc_rectangles
+from .documents import DocIndex, doc_rectangles
 from .masking import BlockPositions, MaskSpec, mod_positions, rule_mask, segment_call
 from .plan import ALL, Segment
 

@@ -36,7 +36,7 @@ import torch
 from ..group import CPGroup
 from .comm import GradSink, kv_blocks
 from .masking import BlockPositions, MaskSpec, any_visible
-from .docs import padded_ids
+from .documents import padded_ids
 
 Tensor = torch.Tensor
 NO_LIMIT = 2**31 - 1  # no padding: every key position is below this

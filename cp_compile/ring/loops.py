@@ -22,7 +22,7 @@ from ..kernels import BlockKernel
 from ..kernels.scores import SCORES
 from .calls import Call, step_calls
 from .comm import GradSink, kv_blocks
-from .docs import DocIndex
+from .documents import DocIndex
 from .fused import ring_backward_fused, ring_forward_fused
 from .masking import BlockPositions, MaskSpec, fix_dead_rows
 from .merge import accumulator_dtype, empty_partial, merge_

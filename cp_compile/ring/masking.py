@@ -37,7 +37,7 @@ import torch
 
 from ..group import CPGroup
 from ..sequence import rank_positions
-from .docs import DocIndex
+from .documents import DocIndex
 from .mods import Mods
 from .plan import Segment, step_segments, table_segments
 

@@ -22,7 +22,7 @@ is token r + jN, key m of rank s is token s + mN, so m <= j when s <= r and
 m <= j - 1 when s > r.
 
 A layout given as a table of positions (one sorted row per rank, computed per batch,
-e.g. :func:`cp_compile.doc_layout.layout_table`) is planned from the positions
+e.g. :func:`cp_compile.document_layout.layout_table`) is planned from the positions
 themselves (:func:`table_segments`): causally, query row i of another rank's block sees
 exactly the key prefix [0, hi_i), hi = searchsorted(k_pos, q_pos, right=True), which
 never decreases (rows sorted). Rows where hi is constant form one full rectangle; rows

@@ -5,7 +5,7 @@ Under ``load_balance="documents"`` the ``ring_cp`` rewrite emits it once per gra
 (B|1, S) document ids the attention masks compare (every rank holds them whole and computes the
 same table: no collective), and uses row ``table[rank]`` wherever the graph needs this rank's
 positions (input shards, output gathers, the ring ops' ``positions=``). The table is
-:func:`cp_compile.doc_layout.layout_table` of the ids: deterministic, computed on the CPU
+:func:`cp_compile.document_layout.layout_table` of the ids: deterministic, computed on the CPU
 (a few milliseconds per batch) and returned on the ids' device.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..doc_layout import layout_table
+from ..document_layout import layout_table
 
 Tensor = torch.Tensor
 

@@ -31,10 +31,10 @@ from ..backend.cost import KINDS, Collective, RingMask, activation_bytes, collec
 from ..backend.cost import ring_masks
 from ..backend.cost import to_int as _int
 from ..passes.context import RewriteContext, source_line
-from ..passes.graph_inputs import user_name
+from ..passes.analyze.graph_inputs import user_name
 
 
-class InspectError(RuntimeError):
+class ExplainError(RuntimeError):
     """The model could not be traced or rewritten; the message names the fix."""
 
 
@@ -96,7 +96,7 @@ class Report:
         return self.after is not self.before
 
 
-def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int = 2,
+def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: int = 2,
             load_balance: str = "zigzag", aot: bool = False, example_kwargs: Optional[Dict[str, Any]] = None,
             rank: int = 0, dynamic: bool = False, **opts: Any) -> Report:
     """Trace ``model(*example_inputs, **example_kwargs)`` with Dynamo and rewrite it for a CP group
@@ -109,7 +109,7 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
     inputs, outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
     AOTAutograd (fake tensors only) into the forward and backward graphs the inner
     compiler would get. Resets Dynamo's caches first (each call traces anew).
-    Raises :class:`InspectError` when tracing fails and CPRewriteError when the
+    Raises :class:`ExplainError` when tracing fails and CPRewriteError when the
     rewrite refuses the model.
     """
     if not isinstance(world_size, int) or world_size < 2:
@@ -140,7 +140,7 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
     except Exception as e:
         if "error" in state:
             raise state["error"]
-        raise InspectError(f"Dynamo could not capture the model as one graph ({type(e).__name__}: "
+        raise ExplainError(f"Dynamo could not capture the model as one graph ({type(e).__name__}: "
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}). Fix: remove graph breaks "
                            "(dump/explain inspect one whole graph), or check that the example inputs fit the "
                            "model.") from e
@@ -149,7 +149,7 @@ def inspect(model: torch.nn.Module, example_inputs: Sequence[Any], world_size: i
     if "error" in state:
         raise state["error"]
     if "before" not in state:
-        raise InspectError("Dynamo produced no graph for this model (nothing to compile?).")
+        raise ExplainError("Dynamo produced no graph for this model (nothing to compile?).")
     return _build_report(world_size, load_balance, ctx, **state)
 
 

@@ -157,7 +157,7 @@ def add_explain_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _report(args: argparse.Namespace, aot: bool = False):
     """(report, None) or (None, exit code) with the message printed to stderr."""
-    from .explain import InspectError, inspect
+    from .explain import ExplainError, explain_model
     from .targets import TargetError, load_target
     from ..passes.context import CPRewriteError
 
@@ -167,11 +167,11 @@ def _report(args: argparse.Namespace, aot: bool = False):
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 2
     try:
-        return inspect(model, example_args, args.world_size, args.load_balance, aot=aot,
+        return explain_model(model, example_args, args.world_size, args.load_balance, aot=aot,
                        example_kwargs=example_kwargs, rank=args.rank, dynamic=args.dynamic,
                        seq_inputs=args.seq_inputs, inputs=args.inputs, outputs=args.outputs,
                        grad_sync=args.grad_sync, kernel=args.kernel, rotate=args.rotate, strict=args.strict), 0
-    except (CPRewriteError, InspectError, ValueError) as e:
+    except (CPRewriteError, ExplainError, ValueError) as e:
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 1
 

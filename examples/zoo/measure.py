@@ -87,7 +87,7 @@ def measure(name: str, seq_len: int = SEQ_LEN) -> Dict[str, Any]:
     import torch.distributed as dist
 
     import cp_compile
-    from cp_compile.tools.explain import inspect
+    from cp_compile.tools.explain import explain_model
     from cp_compile.tools.targets import example_inputs
 
     member: Member = members()[name]
@@ -95,7 +95,7 @@ def measure(name: str, seq_len: int = SEQ_LEN) -> Dict[str, Any]:
     cp_model = copy.deepcopy(ref_model)
     inputs: Any = kwargs if kwargs else args
     world, rank = dist.get_world_size(), dist.get_rank()
-    explained = inspect(ref_model, args, world_size=world, example_kwargs=kwargs, rank=rank).ctx.record
+    explained = explain_model(ref_model, args, world_size=world, example_kwargs=kwargs, rank=rank).ctx.record
     torch._dynamo.reset()
 
     with AttentionCount() as count:

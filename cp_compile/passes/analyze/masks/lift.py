@@ -1,0 +1,342 @@
+"""Mask terms that are functions of positions: lifted into the ring op's ``mask_mod`` / ``score_mod``.
+
+A term of an attention mask that the band, document and buffer analyses cannot name (an
+ALiBi bias, a prefix-LM mask) is often still a *rule of positions*: an elementwise function
+of small tensors, each varying along at most one of the query and key dims, built from
+``arange``s, Python numbers and gradient-free state. Then the ring op can evaluate it at the
+global positions of each ring rectangle (:mod:`cp_compile.ring.mods`, as for FlexAttention)
+and no rank ever holds its S x S or c x S values::
+
+    pos = arange(S); slopes = 2 ** (-8 / H * arange(1, H + 1))            # (S,), (H,): leaves
+    bias = slopes[:, None, None] * (pos[None, :] - pos[:, None])          # (H, S, S): the term
+        -> score_mod(score, b, h, q, kv, slopes4, kv4, q4)
+               = score + slopes4[0, h, 0, 0] * (kv4[0, 0, 0, kv] - q4[0, 0, q, 0])
+
+    prefix = (pos[None, :] <= pos[:, None]) | (pos[None, :] < P)          # (S, S) bool
+        -> mask_mod(b, h, q, kv, kv4, q4) = (kv4[..kv] <= q4[..q]) | (kv4[..kv] < P)
+
+:func:`lift_term` walks down from the term through elementwise ops, ``expand`` and views
+that only add or drop size-1 dims, tracking which dim of each value is the batch, head, query
+and key dim of the (B, H, S, S) mask. It stops at the first value that does not vary along
+both the query and the key dim: a *leaf*, O(S) at most, computed whole on every rank and
+passed to the ring op reshaped to (B|1, H|1, S|1, S|1). The ops above the leaves (the
+``body``) are re-run per rectangle on the leaves read at (b, h, q, kv); views and ``expand``
+are the identity there. A leaf must need no gradient and read no model input: a learned bias
+is refused before this (find_attention), an input-dependent one stays explicit.
+
+:func:`additive_parts` splits a float mask into its boolean keep terms and its additive terms
+(``where(keep, a, -inf)``, ``a.masked_fill(m, -inf)``, ``a + b``), so that the causal part of
+``alibi.masked_fill(kv > q, -inf)`` stays the ring's causal flag and the bias becomes a score rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ...context import fake_value, source_line
+from ..graph_inputs import is_parameter_like
+from .rows import is_elementwise
+
+ROLES = (-4, -3, -2, -1)  # batch, head, query, key dims of the (B, H, S_q, S_kv) mask (from the right)
+Q, KV = -2, -1
+MASKING = -1e30  # an additive fill at or below this masks (HF's finfo.min, -inf)
+_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "contiguous", "clone"}
+_EXPANDS = {"expand", "expand_as", "broadcast_to"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A lifted term: ``body`` (a GraphModule of scalars-or-grids -> the term's value) applied to
+    ``leaves`` (old nodes) read at (b, h, q, kv); ``shapes``: each leaf's (B|1, H|1, S|1, S|1)."""
+
+    term: fx.Node
+    body: fx.GraphModule
+    leaves: Tuple[fx.Node, ...]
+    shapes: Tuple[Tuple[int, int, int, int], ...]
+
+    @property
+    def additive(self) -> bool:
+        """Whether the term is added to the scores (a float term: a ``score_mod``) rather than
+        selecting keys (a boolean term: a ``mask_mod``). Decided by the term's dtype alone, as
+        SDPA decides what its ``attn_mask`` means."""
+        val = fake_value(self.term)
+        return not (isinstance(val, torch.Tensor) and val.dtype is torch.bool)
+
+
+def _shape(node: Any) -> Optional[Tuple[int, ...]]:
+    val = fake_value(node) if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+        return None  # symbolic sizes: not lifted (the term stays explicit)
+    return tuple(val.shape)
+
+
+def _present(shape: Tuple[int, ...], roles: Dict[int, int]) -> Dict[int, int]:
+    """role -> right-counted dim of the roles along which ``shape`` varies (size > 1)."""
+    return {r: d for r, d in roles.items() if -d <= len(shape) and shape[d] != 1}
+
+
+def _target(node: fx.Node) -> Any:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+
+
+class _Walk:
+    """The body graph under construction and its leaves."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len, self.graph = seq_len, fx.Graph()
+        self.env: Dict[fx.Node, fx.Node] = {}
+        self.leaves: List[fx.Node] = []
+        self.shapes: List[Tuple[int, int, int, int]] = []
+
+    def visit(self, node: Any, roles: Dict[int, int]) -> Any:
+        """The body's value of ``node`` (old), whose dims play ``roles``; None: not liftable."""
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.env:
+            return self.env[node]
+        shape = _shape(node)
+        if shape is None:
+            return None
+        present = _present(shape, roles)
+        if Q in present and KV in present:
+            out = self._op(node, shape, roles)
+        else:
+            out = self._leaf(node, shape, present)
+        if out is not None:
+            self.env[node] = out
+        return out
+
+    def _leaf(self, node: fx.Node, shape: Tuple[int, ...], present: Dict[int, int]) -> Optional[fx.Node]:
+        varying = [d for d in range(-len(shape), 0) if shape[d] != 1]
+        if sorted(present.values()) != varying or not _gradient_free_state(node):
+            return None  # a dim that is no mask dim, or a value that is not whole constant state
+        sizes = [1, 1, 1, 1]
+        for role, d in present.items():
+            sizes[role] = shape[d]
+        self.leaves.append(node)
+        self.shapes.append(tuple(sizes))
+        return self.graph.placeholder(f"leaf{len(self.leaves) - 1}")
+
+    def _op(self, node: fx.Node, shape: Tuple[int, ...], roles: Dict[int, int]) -> Optional[fx.Node]:
+        """An op whose value spans both position dims: elementwise, expand, or a size-1 view."""
+        if node.op not in ("call_function", "call_method"):
+            return None
+        name = _target(node)
+        if name in _EXPANDS or (name in _VIEWS and node.op == "call_method") or node.target is operator.getitem:
+            src = node.args[0]
+            inner = _view_roles(node, src, roles) if name not in _EXPANDS else roles
+            return None if inner is None else self.visit(src, inner)  # the identity at one (b, h, q, kv)
+        if not is_elementwise(node) or name in ("type_as",):
+            return None
+        failed = []
+
+        def arg(a: Any) -> Any:
+            out = self.visit(a, roles) if isinstance(a, fx.Node) else a
+            if out is None and isinstance(a, fx.Node):
+                failed.append(a)
+            return out
+
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), arg)
+        if failed:
+            return None
+        return self.graph.create_node(node.op, node.target, args, kwargs)
+
+
+def _view_roles(node: fx.Node, src: Any, roles: Dict[int, int]) -> Optional[Dict[int, int]]:
+    """``roles`` of ``node``'s dims carried to ``src``'s, for a view that keeps the sizes > 1 in order
+    (adds or drops size-1 dims only); None for any other view."""
+    out, inp = _shape(node), _shape(src)
+    if out is None or inp is None or node.target is operator.getitem and not _plain_index(node.args[1]):
+        return None
+    big_out = [d for d in range(-len(out), 0) if out[d] != 1]
+    big_in = [d for d in range(-len(inp), 0) if inp[d] != 1]
+    if [out[d] for d in big_out] != [inp[d] for d in big_in]:
+        return None
+    where = dict(zip(big_out, big_in))
+    return {r: where[d] for r, d in roles.items() if -d <= len(out) and d in where}
+
+
+def _plain_index(index: Any) -> bool:
+    flat = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or i == slice(None) for i in flat)
+
+
+def _gradient_free_state(node: fx.Node) -> bool:
+    """Whether ``node`` needs no gradient and reads no model input or activation: only constants,
+    sizes and state (buffers, frozen parameters), through pure ops."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = fake_value(n)
+        if isinstance(val, torch.Tensor) and val.requires_grad:
+            return False
+        if n.op == "placeholder":
+            if isinstance(val, torch.Tensor) and not is_parameter_like(n, _example(n)):
+                return False
+        elif n.op not in ("get_attr", "call_function", "call_method"):
+            return False
+        todo.extend(n.all_input_nodes)
+    return True
+
+
+def _example(node: fx.Node) -> Any:
+    """The tensor Dynamo traced a placeholder with (None when unknown or expired)."""
+    try:
+        return node.meta["grapharg"].example if node.meta.get("grapharg") is not None else None
+    except AssertionError:  # its weak reference expired
+        return None
+
+
+def lift_term(term: fx.Node, seq_len: int) -> Optional[Rule]:
+    """The :class:`Rule` of ``term`` (a mask term, boolean or additive), or None when it is not an
+    elementwise function of whole O(S) leaves (see the module docstring)."""
+    walk = _Walk(seq_len)
+    try:
+        out = walk.visit(term, {r: r for r in ROLES})
+    except (TypeError, ValueError, IndexError):
+        return None
+    if out is None or not walk.leaves or not isinstance(out, fx.Node):
+        return None
+    if out.op == "placeholder" and fake_value(term).dtype is torch.bool:
+        return None  # a boolean O(S) leaf (a key row) is cheaper as the explicit row it is
+    # an additive term that is itself one O(S) leaf (MPT's per-key bias) is a rule: the identity
+    walk.graph.output(out)
+    return Rule(term, fx.GraphModule(torch.nn.Module(), walk.graph), tuple(walk.leaves), tuple(walk.shapes))
+
+
+# -- the mods the ring op evaluates ------------------------------------------------------------
+def _at(t: torch.Tensor, b: Any, h: Any, q: Any, kv: Any) -> torch.Tensor:
+    """``t`` (B|1, H|1, S|1, S|1) read at (b, h, q, kv); size-1 dims read at 0."""
+    idx = tuple(i if n != 1 else 0 for i, n in zip((b, h, q, kv), t.shape))
+    return t[idx]
+
+
+def _bodies(rules: Tuple[Tuple[fx.GraphModule, int], ...], b, h, q, kv, leaves) -> List[torch.Tensor]:
+    out, i = [], 0
+    for body, n in rules:
+        out.append(body.forward(*(_at(t, b, h, q, kv) for t in leaves[i:i + n])))
+        i += n
+    return out
+
+
+def rules_mask(rules: Tuple[Tuple[fx.GraphModule, int], ...], b, h, q, kv, *leaves) -> torch.Tensor:
+    """mask_mod: the AND of the lifted boolean terms."""
+    return functools.reduce(operator.and_, (v.to(torch.bool) for v in _bodies(rules, b, h, q, kv, leaves)))
+
+
+def rules_score(rules: Tuple[Tuple[fx.GraphModule, int], ...], score, b, h, q, kv, *leaves) -> torch.Tensor:
+    """score_mod: the score plus every lifted additive term (as SDPA adds attn_mask to the scores)."""
+    return functools.reduce(operator.add, (v.to(score.dtype) for v in _bodies(rules, b, h, q, kv, leaves)), score)
+
+
+def function_then_rules(score_fn: Any, rules: Tuple[Tuple[fx.GraphModule, int], ...], score, b, h, q, kv,
+                        *leaves) -> torch.Tensor:
+    """score_mod: ``score_fn`` of the score (soft-capping, :mod:`..score_fn`), then the lifted terms."""
+    return rules_score(rules, score_fn(score), b, h, q, kv, *leaves)
+
+
+def as_mod(kind: str, rules: Tuple[Rule, ...], sdpa: fx.Node, score_fn: Any = None) -> Any:
+    """The mask_mod (``kind`` "mask") or score_mod ("score") of ``rules``, named for the record; a
+    score_mod applies ``score_fn`` to the score first, when given."""
+    bodies = tuple((r.body, len(r.leaves)) for r in rules)
+    if kind == "score" and score_fn is not None:
+        fn = functools.partial(function_then_rules, score_fn, bodies)
+    else:
+        fn = functools.partial(rules_mask if kind == "mask" else rules_score, bodies)
+    where = ":".join(source_line(sdpa).split(":")[:2]).rsplit("/", 1)[-1]
+    fn.__name__ = f"lifted from the attn_mask at {where}"
+    return fn
+
+
+# -- float masks: keep terms and additive terms -------------------------------------------------
+def _masking_fill(value: Any) -> bool:
+    return isinstance(value, (int, float)) and (math.isinf(value) and value < 0 or value <= MASKING)
+
+
+def _is_float(node: Any) -> bool:
+    val = fake_value(node) if isinstance(node, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _same_alignment(node: fx.Node, src: fx.Node) -> bool:
+    """Whether ``node`` is ``src`` with leading size-1 dims added (``x[None]``, ``x.unsqueeze(0)``,
+    ``x.view(1, *x.shape)``) or a same-dtype copy: broadcast from the right, the two are one mask."""
+    name = _target(node)
+    if name not in _VIEWS | {"to", "float", "getitem"} or name == "getitem" and not _plain_index(node.args[1]):
+        return False
+    a, b = fake_value(node), fake_value(src)
+    if a.dtype != b.dtype:
+        return False
+    strip = lambda shape: tuple(shape)[next((i for i, d in enumerate(shape) if d != 1), len(shape)):]  # noqa: E731
+    return strip(a.shape) == strip(b.shape)
+
+
+def additive_parts(mask: fx.Node, new_node) -> Optional[Tuple[List[fx.Node], List[fx.Node]]]:
+    """(boolean keep terms, additive float terms) of a float ``mask``, or None for a boolean mask.
+    ``new_node(target, args, like)`` makes the ``~m`` of a ``masked_fill(m, -inf)`` in the graph.
+
+    ``where(keep, a + b, -inf)`` -> ([keep], [a, b]);  ``a.masked_fill(m, -inf)`` -> ([~m], [a])."""
+    if not _is_float(mask):
+        return None
+    keeps: List[fx.Node] = []
+    adds: List[fx.Node] = []
+    todo = [mask]
+    while todo:
+        n = todo.pop()
+        name = _target(n) if isinstance(n, fx.Node) and n.op in ("call_function", "call_method") else None
+        if name in ("add", "__add__") and len(n.args) == 2 and all(_is_float(a) for a in n.args) and not n.kwargs:
+            todo += list(n.args)
+        elif name == "where" and len(n.args) == 3 and _masking_fill(n.args[2]) and _is_float(n.args[1]):
+            keeps.append(n.args[0])
+            todo.append(n.args[1])
+        elif name == "masked_fill" and len(n.args) == 3 and _masking_fill(n.args[2]) and _is_float(n.args[0]):
+            keeps.append(new_node(operator.invert, (n.args[1],), n))
+            todo.append(n.args[0])
+        elif name is not None and n.args and _is_float(n.args[0]) and _same_alignment(n, n.args[0]):
+            todo.append(n.args[0])  # bias[None], bias.to(dtype), bias.contiguous(): the same terms
+        else:
+            adds.append(n)
+    return keeps, adds
+
+
+__all__ = ["Rule", "additive_parts", "as_mod", "function_then_rules", "lift_term", "rules_mask", "rules_score"]
+
+
+# -- the rewrite: the ring op's mods and buffers ------------------------------------------------
+def ring_mods(em: Any, rules: Tuple[Rule, ...], scores: Tuple[Rule, ...], sdpa: fx.Node,
+              score_fn: Any = None) -> Dict[str, Any]:
+    """The ring op's ``mods`` / ``mask_buffers`` / ``score_buffers`` for the lifted terms of ``sdpa``'s
+    mask, and its function of the scores (``score_fn``): each leaf whole (gathered if the rewrite
+    split it: O(S)), reshaped to (B|1, H|1, S|1, S|1)."""
+    from ....ring.mods import register_mods
+
+    if not rules and not scores and score_fn is None:
+        return {}
+    key = register_mods(mask_mod=as_mod("mask", rules, sdpa) if rules else None,
+                        score_mod=as_mod("score", scores, sdpa, score_fn) if scores or score_fn is not None
+                        else None)
+    out: Dict[str, Any] = {"mods": key}
+    for name, group in (("mask_buffers", rules), ("score_buffers", scores)):
+        if group:
+            out[name] = [_leaf_value(em, leaf, shape) for r in group for leaf, shape in zip(r.leaves, r.shapes)]
+    return out
+
+
+def _leaf_value(em: Any, leaf: fx.Node, shape: Tuple[int, int, int, int]) -> fx.Node:
+    from ...propagate.placements import Sharded
+
+    key = ("lifted_leaf", leaf, shape)
+    if key not in em._memo:  # layers sharing one mask share its leaves
+        whole = em.to_global(leaf) if isinstance(em.layout(leaf), Sharded) else em.env[leaf]
+        em._memo[key] = em.method("reshape", whole, shape)
+    return em._memo[key]

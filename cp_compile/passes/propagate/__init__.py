@@ -1,0 +1,1 @@
+"""cp_compile.passes.propagate"""

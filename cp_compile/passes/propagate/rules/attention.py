@@ -1,0 +1,223 @@
+"""Rules for attention (-> ring attention) and losses (-> exact global reductions)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import operator
+from typing import Any, Dict
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .... import graph_ops
+from ...context import CPRewriteError, global_shape, log, source_line
+from ...analyze.find_attention import SDPA_TARGETS, sdpa_arg
+from ..placements import GLOBAL, Sharded
+from ...analyze.masks.documents import doc_ids_value, whole
+from ...analyze.masks.lift import ring_mods
+from ...analyze.masks.rows import explicit_mask
+
+
+def _kv_source(em, old: fx.Node):
+    """The un-repeated (B, H_kv, S, D) value behind a GQA head repeat feeding attention, or None.
+
+    Recognised: ``k.repeat_interleave(g, dim=1)`` and Hugging Face's
+    ``k[:, :, None].expand(B, H_kv, g, S, D).reshape(B, H_kv * g, S, D)``.
+    """
+    if old.op != "call_method":
+        return None
+    if old.target == "repeat_interleave":
+        dim = old.args[2] if len(old.args) > 2 else old.kwargs.get("dim")
+        return old.args[0] if dim in (1, -3) else None
+    if old.target not in ("reshape", "view"):
+        return None
+    exp = old.args[0]
+    if not (isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand"):
+        return None
+    ins = exp.args[0]
+    src = ins.args[0] if isinstance(ins, fx.Node) and ins.target in (operator.getitem, "unsqueeze") else None
+    shapes = [global_shape(n) if isinstance(n, fx.Node) else None for n in (src, ins, exp, old)]
+    if None in shapes or len(shapes[0]) != 4:
+        return None
+    (b, hkv, s, d), expanded = shapes[0], shapes[2]
+    if tuple(shapes[1]) != (b, hkv, 1, s, d) or tuple(expanded[:2]) != (b, hkv) or tuple(expanded[3:]) != (s, d):
+        return None
+    return src
+
+
+def _unrepeated_kv(em, old: fx.Node) -> fx.Node:
+    """Ship the H_kv heads around the ring, not their repeated copies."""
+    src = _kv_source(em, old)
+    if src is not None and isinstance(em.layout(src), Sharded) and em.layout(src).dim == 2:
+        return src
+    return old
+
+
+def _as_seq_sharded(em, old: fx.Node, node: fx.Node) -> Any:
+    lay = em.layout(old)
+    if isinstance(lay, Sharded):
+        if lay.dim != 2 or lay.inner != 1:
+            raise CPRewriteError(f"cp_compile: attention input {old.name} at {source_line(node)} is sharded along "
+                                 f"dim {lay.dim}, expected (B, H, S, D) with the sequence at dim 2.")
+        return em.env[old]
+    if em.ctx.inputs == "local":  # a whole value here has the local length: nothing to index it by
+        raise CPRewriteError(
+            f"cp_compile: attention input {old.name} at {source_line(node)} does not come from a sequence input, "
+            "and with inputs='local' the graph cannot tell which of its rows are this rank's. Fix: "
+            "inputs='full' (every rank passes the whole batch), or seq_inputs={name: dim} naming the inputs "
+            "that carry the sequence.")
+    return em.to_sharded(old, 2)  # every rank holds it whole: take this rank's rows, no communication
+
+
+def sdpa(em, node: fx.Node):
+    q = sdpa_arg(node, 0, "query")
+    k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
+    v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
+    # A mask is split into causal / window flags, document ids and explicit terms (passes/masks/);
+    # the ring op gets the flags, the whole ids (masks/documents.py) and this rank's rows of the terms
+    # (masks/rows.py), and rewrite.py erases the mask's O(S^2) construction, now unused.
+    kind = em.ctx.masks.get(node)
+    causal = kind.causal if kind is not None else bool(sdpa_arg(node, 5, "is_causal", False))
+    masks = {"window": kind.window} if kind is not None and kind.window > 0 else {}
+    if kind is not None and kind.explicit:
+        masks["attn_mask"] = explicit_mask(em, kind.explicit, node)
+    if kind is not None and kind.doc_ids is not None:
+        masks["doc_ids"] = doc_ids_value(em, kind.doc_ids, node)  # (B|1, S) whole, on every rank
+    score_fn = node.kwargs.get("score_fn")  # f(scores) before the mask terms (passes/score_fn.py)
+    score_fn = getattr(em.gm, score_fn.target) if isinstance(score_fn, fx.Node) else None
+    if kind is not None or score_fn is not None:  # rules of positions: mask_mod / score_mod, O(S) leaves (lift.py)
+        masks.update(ring_mods(em, kind.rules if kind else (), kind.scores if kind else (), node, score_fn))
+    scale = sdpa_arg(node, 6, "scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(global_shape(q)[-1])
+    hq, hk, hv = global_shape(q)[1], global_shape(k)[1], global_shape(v)[1]
+    if hk != hv or hq % hk:
+        raise CPRewriteError(f"cp_compile: attention at {source_line(node)} has q/k/v heads {hq}/{hk}/{hv}; "
+                             "need H % H_kv == 0 and equal k/v heads.")
+    ctx = em.ctx
+    if em.index.table is not None:  # load_balance="documents": this call's layout (passes/doc_table.py)
+        masks["positions"] = em.index.table
+    qkv, dv = _equal_head_dims(em, *(_as_seq_sharded(em, x, node) for x in (q, k, v)), global_shape(q)[-1],
+                               global_shape(v)[-1])
+    out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, *qkv, causal, float(scale),
+                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **masks)
+    out = em.call(operator.getitem, out, 0)  # (B, H, c, max(D_qk, D_v))
+    return (out if dv is None else em.call(operator.getitem, out, (Ellipsis, slice(None, dv)))), Sharded(2)
+
+
+def _equal_head_dims(em, q: fx.Node, k: fx.Node, v: fx.Node, d_qk: int, d_v: int):
+    """(q, k, v) zero-padded to one head dim, and the D_v to slice the output back to (None if equal).
+    The ring moves K and V as one block, so their head dims must agree (DeepSeek's MLA has
+    D_qk = 192, D_v = 128). Zero columns of V give zero output columns; zero columns of q and k
+    leave every q·k unchanged (the scale is already fixed from the original D_qk)."""
+    if d_qk == d_v:
+        return (q, k, v), None
+    d = max(d_qk, d_v)
+    pad = lambda x, n: x if n == d else em.call(F.pad, x, (0, d - n))  # noqa: E731
+    return (pad(q, d_qk), pad(k, d_qk), pad(v, d_v)), (d_v if d_v < d else None)
+
+
+def whole_rule(em: Any, node: fx.Node):
+    """The layout rule of :func:`..masks.documents.whole` on a sharded input: the input whole, on every rank
+    (a mask's ingredients, such as document ids, are computed from whole inputs)."""
+    src = node.args[0]
+    lay = em.layout(src)
+    if not isinstance(lay, Sharded):
+        return em.env[src], GLOBAL
+    if em.ctx.inputs == "full" and src.op == "placeholder":  # every rank was passed the whole input
+        new = next(n for n in em.graph.nodes if n.op == "placeholder" and n.target == src.target)
+        return new, GLOBAL
+    log.info("cp_compile: the attention mask at %s reads the input %s whole: all-gathered (%s integers)",
+             source_line(node), src.name, em.ctx.seq_len)
+    return em.to_global(src), GLOBAL
+
+
+def attention_rule() -> Dict[Any, Any]:
+    """SDPA -> the ring op; and the inputs an attention mask reads whole (:func:`..masks.documents.whole`)."""
+    return {**{t: sdpa for t in SDPA_TARGETS}, whole: whole_rule}
+
+
+def _bind(fn, node: fx.Node) -> inspect.BoundArguments:
+    bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _target_dim(input_dim: int, input_nd: int) -> int:
+    """Class-index losses: input (N, C, d1, ...) pairs with target (N, d1, ...)."""
+    if input_nd == 1 or input_dim == 0:
+        return 0
+    return input_dim - 1
+
+
+def _global_sum(em, local_sum: fx.Node) -> fx.Node:
+    return em.call(graph_ops.all_reduce_sum, local_sum, em.ctx.group.name)
+
+
+def class_loss(em, node: fx.Node):
+    """cross_entropy / nll_loss: local sum over this rank's tokens, divided by the global valid count."""
+    a = _bind(node.target, node)
+    inp, tgt = a["input"], a["target"]
+    s = em.layout(inp)
+    if not isinstance(s, Sharded) or a.get("size_average") is not None or a.get("reduce") is not None:
+        return em.fallback(node, f"{node.target.__name__} with legacy or unsharded arguments")
+    td = _target_dim(s.dim, len(global_shape(inp)))
+    t_lay = em.layout(tgt)
+    if isinstance(t_lay, Sharded) and (t_lay.dim, t_lay.inner) != (td, s.inner):
+        return em.fallback(node, "loss target sharded differently from its input")
+    new_tgt = em.env[tgt] if isinstance(t_lay, Sharded) else em.to_sharded(tgt, td, s.inner)
+    kwargs = {k: em.value(v) for k, v in a.items() if k not in ("input", "target", "size_average", "reduce")}
+    reduction = kwargs.pop("reduction")
+    mask = em.valid_mask(tgt, new_tgt, td, s.inner)
+    if mask is not None:  # padding rows count as ignored targets
+        new_tgt = em.call(torch.where, mask, new_tgt, kwargs["ignore_index"])
+    local = em.call(node.target, em.env[inp], new_tgt, **kwargs, reduction="none" if reduction == "none" else "sum")
+    if reduction == "none":
+        return local, Sharded(td, s.inner)
+    if kwargs.get("weight") is not None and reduction == "mean":
+        return em.fallback(node, f"{node.target.__name__} with class weights and mean reduction")
+    dtype = global_dtype(node)
+    wide = dtype in (torch.bfloat16, torch.float16)  # the ranks' sums and the division in fp32, rounded once
+    total = _global_sum(em, em.method("float", local) if wide else local)
+    if reduction == "mean":
+        valid = em.method("sum", em.call(operator.ne, new_tgt, kwargs["ignore_index"]))
+        count = _global_sum(em, em.method("to", valid, torch.float32))
+        total = em.call(operator.truediv, total, count if wide else em.method("to", count, dtype))
+    return (em.method("to", total, dtype) if wide else total), GLOBAL
+
+
+def global_dtype(node: fx.Node) -> torch.dtype:
+    return node.meta["example_value"].dtype
+
+
+def elementwise_loss(em, node: fx.Node):
+    """mse_loss / l1_loss: per-element terms; mean divides by the global element count."""
+    a = _bind(node.target, node)
+    inp, tgt = a["input"], a["target"]
+    if a.get("size_average") is not None or a.get("reduce") is not None or a.get("weight") is not None:
+        return em.fallback(node, f"{node.target.__name__} with legacy or weight arguments")
+    s = em.layout(inp) if isinstance(em.layout(inp), Sharded) else em.layout(tgt)
+    if any(isinstance(em.layout(t), Sharded) and em.layout(t) != s for t in (inp, tgt)):
+        return em.fallback(node, "loss operands sharded differently")
+    new = [em.env[t] if isinstance(em.layout(t), Sharded) else em.to_sharded(t, s.dim, s.inner) for t in (inp, tgt)]
+    reduction = a["reduction"]
+    local = em.call(node.target, *new, reduction="none")
+    if reduction == "none":
+        return local, s
+    ref = inp if isinstance(em.layout(inp), Sharded) else tgt
+    mask = em.valid_mask(ref, local, s.dim, s.inner)
+    if mask is not None:
+        local = em.call(torch.where, mask, local, 0.0)
+    if reduction == "mean":  # / global element count = local count / c * S
+        count = em.index.op(operator.mul, em.index.op(operator.floordiv, em.method("numel", local), em.index.c()),
+                            em.index.S())
+        return _global_sum(em, em.call(operator.truediv, em.method("sum", local), count)), GLOBAL
+    local = em.method("sum", local)
+    return _global_sum(em, local), GLOBAL
+
+
+def loss_rules() -> Dict[Any, Any]:
+    return {F.cross_entropy: class_loss, F.nll_loss: class_loss, F.mse_loss: elementwise_loss,
+            F.l1_loss: elementwise_loss}

@@ -1,0 +1,55 @@
+"""Helpers the layout rules share: the table key of a node, dims, and argument access."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch.fx as fx
+
+from ...context import global_shape
+from ..emitter import Emitter
+from ..placements import Sharded
+
+Rule = Callable[[Emitter, fx.Node], Tuple[Any, Any]]
+
+
+def _key(node: fx.Node) -> Any:
+    return ("method", node.target) if node.op == "call_method" else node.target
+
+
+def _ndim(node: Any) -> int:
+    return len(global_shape(node)) if isinstance(node, fx.Node) and global_shape(node) is not None else 0
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def _sharded(em: Emitter, arg: Any) -> Optional[Sharded]:
+    lay = em.layout(arg)
+    return lay if isinstance(lay, Sharded) else None
+
+
+def _flat_args(node: fx.Node) -> list:
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten((node.args, node.kwargs))[0]
+
+
+def _map(em: Emitter, node: fx.Node, converted: Dict[fx.Node, Any]):
+    return fx.node.map_aggregate(
+        (node.args, node.kwargs), lambda a: converted.get(a, em.env[a]) if isinstance(a, fx.Node) else a
+    )
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _dims_args(node: fx.Node, n: int) -> Sequence[int]:
+    rest = node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        return rest[0]
+    if rest:
+        return rest
+    return [node.kwargs[k] for k in ("dim0", "dim1", "source", "destination", "dims") if k in node.kwargs][:n]

@@ -1,0 +1,119 @@
+"""Layout rule for basic indexing ``x[idx]`` of a Sharded value (one row of the table in :mod:`.rules`).
+
+    x (B, S/N, D) Sharded(1)  x[..., :D//2]   -> (B, S/N, D//2) Sharded(1)      (other dims: any basic index)
+    x (B, S/N, D) Sharded(1)  x[:, 0:]        -> Sharded(1)                      (a slice covering all of S)
+    x (B, S/N, D) Sharded(1)  x[:, i]         -> (B, D) Global                   (one position: cls / last token)
+        = all_reduce_sum(where(positions == i, x, 0).sum(1))   O(B·D) traffic, no gather of x
+    ids (B, S/N) Sharded(1)   ids[:, 1:]      -> (B, S-1) Global: the whole input every rank was passed
+    cos (P, D) Global         cos[ids]        -> (B, S/N, D) Sharded(1): a whole table read at this rank's ids
+    x (B, S/N, D) Sharded(1)  x[:, 1:5]       -> gather, then index (fallback, warned)
+
+Picking one position: the rank holding global position ``i`` contributes its row, every
+other rank zeros, and the sum over the group is that row, exactly (a sum of one value
+and zeros). The all-reduce's backward hands each rank the gradient of its share, so the
+row's gradient lands on the rank that holds it. Bool values (which ``sum`` would turn
+into integers) are gathered instead.
+
+Slicing a sequence input that every rank was passed whole (``inputs="full"``; labels
+``idx[:, 1:]`` when the model reads its targets from the token ids) slices that whole
+value: it costs nothing, and the result is Global.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ...context import fake_value, global_shape
+from ..placements import GLOBAL, Sharded
+
+
+def getitem(em: Any, node: fx.Node):
+    """``x[idx]`` with basic indexing: Sharded unless the sequence dim is sliced to less than all of it."""
+    x, index = node.args
+    s = em.layout(x)
+    index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(global_shape(x)))
+    if index is None or any(isinstance(i, fx.Node) for i in index):
+        looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else None
+        return looked_up if looked_up is not None else em.fallback(node, "indexing with tensors on a sharded value")
+    in_dim, out_dim = 0, 0
+    for at, i in enumerate(index):
+        if i is None:
+            out_dim += 1
+            continue
+        if in_dim == s.dim:
+            if _covers(i, global_shape(x)[in_dim], em.ctx.seq_sym is not None):
+                return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim, s.inner)
+            if type(i) is int and s.inner == 1 and node.meta.get("example_value", None) is not None \
+                    and node.meta["example_value"].dtype is not torch.bool:
+                return _pick_position(em, x, s, index, at, i), GLOBAL
+            whole = em.whole_input(x)
+            if whole is not None:  # every rank was passed this input whole: slice that, no communication
+                return em.copy(node, (whole, em.value(node.args[1])), {}), GLOBAL
+            return em.fallback(node, f"slicing the sequence dim with {i!r}")
+        out_dim += 0 if isinstance(i, int) else 1
+        in_dim += 1
+    return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
+
+
+def _table_lookup(em: Any, node: fx.Node, index: Optional[tuple]):
+    """``table[..., ids, ...]``: a whole table read at sharded integer ids (RoPE's ``cos[position_ids]``).
+
+    Each result row is the table's entry at that row's id, so this rank's ids give this rank's
+    rows: the ids' sequence dim lands where the ids' dims are placed (at the first tensor index,
+    every index before it a full slice), with the ids' ``inner`` (expert ids of the (token, slot)
+    pairs, (B·S·k,) with inner k: HF's ``gate_up_proj[expert_ids]``). Several tensor indices must
+    be sharded alike."""
+    if index is None:
+        return None
+    ids = [(at, i) for at, i in enumerate(index) if isinstance(i, fx.Node)]
+    lays = {em.layout(i) for _, i in ids}
+    shapes = {global_shape(i) for _, i in ids}
+    adjacent = [at for at, _ in ids] == list(range(ids[0][0], ids[0][0] + len(ids)))
+    plain = all(i == slice(None) for i in index if not isinstance(i, fx.Node))
+    lay = next(iter(lays))
+    if len(lays) != 1 or len(shapes) != 1 or not adjacent or not plain or not isinstance(lay, Sharded) \
+            or any(fake_value(i).dtype in (torch.bool, torch.uint8) for _, i in ids):
+        return None
+    return em.copy(node, (em.env[node.args[0]], em.value(node.args[1])), {}), Sharded(ids[0][0] + lay.dim, lay.inner)
+
+
+def _pick_position(em: Any, x: fx.Node, s: Sharded, index: tuple, at: int, i: int) -> fx.Node:
+    """``x[index]`` where ``index[at]`` is the int ``i`` on the sequence dim ``s.dim`` (see the module doc)."""
+    from .... import graph_ops
+
+    pos = i if i >= 0 else em.index.op(operator.add, em.index.S(), i)  # a global position in [0, S)
+    nd = len(global_shape(x))
+    mine = em.call(operator.eq, em.index.positions(em.ctx.group.rank), pos)  # (c,) bool: this rank holds i there
+    mine = em.method("view", mine, *[-1 if d == s.dim else 1 for d in range(nd)])
+    row = em.method("sum", em.call(torch.where, mine, em.env[x], 0), s.dim, True)  # size 1 along s.dim
+    row = em.call(graph_ops.all_reduce_sum, row, em.ctx.group.name)  # Global: the row of position i
+    return em.call(operator.getitem, row, index[:at] + (0,) + index[at + 1:])
+
+
+def _expand_ellipsis(index: tuple, ndim: int) -> Optional[tuple]:
+    """``index`` with ``...`` replaced by full slices (x of rank ``ndim``); None for two ``...``."""
+    n_ell = sum(1 for i in index if i is Ellipsis)
+    if n_ell == 0:
+        return index
+    if n_ell > 1:
+        return None
+    used = sum(1 for i in index if i is not None and i is not Ellipsis)
+    at = index.index(Ellipsis)
+    return index[:at] + (slice(None),) * (ndim - used) + index[at + 1:]
+
+
+def _covers(i: Any, size: int, symbolic: bool) -> bool:
+    """Whether index ``i`` (an int, slice, ...) selects all ``size`` entries of a dim in order.
+
+    Under a symbolic length only ``[:]`` / ``[0:]`` qualify: a literal bound equal to
+    today's S would not cover tomorrow's.
+    """
+    if not isinstance(i, slice) or not all(v is None or type(v) is int for v in (i.start, i.stop, i.step)):
+        return False  # tensor or symbolic bounds: not provably the whole dim
+    if symbolic:
+        return i.start in (None, 0) and i.stop is None and i.step in (None, 1)
+    return range(size)[i] == range(size)

@@ -1,0 +1,139 @@
+"""Layout rules for pointwise (broadcasting) ops, per-token ops and matmuls (rows of the table in :mod:`.table`).
+
+    x (B, S/N, D) Sharded(1) + pos (1, S, D) Global    -> pos indexed by this rank's positions -> Sharded(1)
+    linear / layer_norm / embedding / softmax(-1) of Sharded(1)   -> Sharded(1)
+    x (B, S/N, D) @ W (D, E)                                     -> Sharded(1)   (tokens in the left side's rows)
+    inv_freq (D/2, 1) @ position_ids (1, S/N)                    -> Sharded(1)   (tokens in the right side's columns)
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...context import global_shape
+from ..emitter import Emitter
+from ..placements import Sharded
+from .common import _flat_args, _map, _name, _ndim, _norm, _sharded
+
+POINTWISE_FUNCS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.floordiv,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt, torch.exp,
+    torch.log, torch.tanh, torch.sigmoid, torch.sin, torch.cos, torch.abs, torch.where, torch.clamp,
+    torch.maximum, torch.minimum, torch.masked_fill, F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, F.softplus,
+    F.dropout, torch.square, torch.polar,
+}
+POINTWISE_METHODS = {
+    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "sin", "cos",
+    "abs", "float", "half", "bfloat16", "double", "to", "type_as", "clone", "detach", "masked_fill", "clamp",
+    "__add__", "__mul__", "__sub__", "__truediv__", "__radd__", "__rmul__", "square",
+}
+
+
+def pointwise(em: Emitter, node: fx.Node):
+    out_nd = _ndim(node)
+    tensors = [a for a in _flat_args(node) if isinstance(a, fx.Node) and global_shape(a) is not None]
+    targets = {(s.dim + out_nd - _ndim(a), s.inner) for a in tensors if (s := _sharded(em, a))}
+    if len(targets) != 1:
+        return em.fallback(node, "sharded operands along different dims")
+    out_dim, inner = targets.pop()
+    converted: Dict[fx.Node, Any] = {}
+    for a in tensors:
+        if _sharded(em, a):
+            continue
+        d = out_dim - (out_nd - _ndim(a))
+        if d >= 0 and global_shape(a)[d] != 1:
+            converted[a] = em.to_sharded(a, d, inner)  # one entry per position: take this rank's
+    args, kwargs = _map(em, node, converted)
+    return em.copy(node, args, kwargs), Sharded(out_dim, inner)
+
+
+def per_token(em: Emitter, node: fx.Node):
+    """First argument carries the tokens; the rest are Global weights; trailing dims are features."""
+    x, s = node.args[0], _sharded(em, node.args[0])
+    others = [a for a in _flat_args(node)[1:] if _sharded(em, a)]
+    reduced = _trailing_feature_dims(node)
+    if s is None or others or s.dim >= _ndim(x) - reduced:
+        return em.fallback(node, f"{_name(node)} over the sequence dim")
+    return em.copy(node, *em.value((node.args, node.kwargs))), s
+
+
+def _trailing_feature_dims(node: fx.Node) -> int:
+    t, nd = node.target, _ndim(node.args[0])
+    if t in (F.layer_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)):
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+        return len(shape) if isinstance(shape, (list, tuple)) else 1
+    if t in (F.softmax, F.log_softmax) or (node.op == "call_method" and t in ("softmax", "log_softmax")):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        return nd - _norm(dim, nd)
+    if t in (F.embedding,):
+        return 0
+    return 1  # linear: the last dim is contracted
+
+
+def matmul(em: Emitter, node: fx.Node):
+    """``a @ b`` where exactly one side carries the tokens, along a dim the product keeps.
+
+    Tokens in a's rows: x (B, S, K) @ W (K, N) -> (B, S, N), Sharded(1).
+    Tokens in b's columns (RoPE written as ``inv_freq (B, D/2, 1) @ position_ids (B, 1, S)``
+    with position_ids an input): (B, D/2, S) Sharded(2). Tokens in a batch dim of both sides
+    (``bmm`` of (T, N, K) per-token weights with (T, K, 1) rows): Sharded there. Contracting the
+    tokens mixes them.
+    """
+    a, b = node.args[0], node.args[1]
+    sa, sb = _sharded(em, a), _sharded(em, b)
+    if sa is not None and sb is None and sa.dim < _ndim(a) - 1 and _ndim(a) >= 2:
+        converted = _batch_partner(em, a, sa, b)
+        if converted is None:
+            return em.fallback(node, "matmul of sequence-sharded rows with a whole operand along another dim")
+        args, kwargs = _map(em, node, converted)
+        return em.copy(node, args, kwargs), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
+    if sb is not None and sa is None and sb.dim == _ndim(b) - 1 and _ndim(b) >= 2 and sb.inner == 1:
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(_ndim(node) - 1)
+    if sa is not None and sb is not None and _same_batch_dim(a, sa, b, sb):
+        # tokens in a batch dim of both sides (per-token matrices, e.g. bmm of rows with their expert's
+        # weights): one product per token
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
+    return em.fallback(node, "matmul mixing tokens")
+
+
+def _batch_partner(em: Emitter, a: fx.Node, sa: Sharded, b: Any) -> Any:
+    """The whole operand ``b`` of ``a @ b`` as the local product needs it ({b: new value}, {} if as is),
+    or None. When a's tokens are a *batch* dim (a (B, S, H, D) @ b (B, S, D, T), one product per
+    token), b's aligned batch dim, if it has the sequence's size, is b's own per-token rows: indexed
+    by this rank's positions, as the pointwise rule does (DeepSeek's sparse-attention indexer
+    weighting per-token scores). Else b's aligned dim must broadcast (size 1, or absent)."""
+    na, nb = _ndim(a), _ndim(b)
+    if sa.dim >= na - 2 or not isinstance(b, fx.Node):
+        return {}  # tokens in a's rows: b is contracted with a's columns, no token dim of its own
+    d = sa.dim - na + nb  # b's dim aligned with a's token dim (batch dims align from the right)
+    if d < 0 or d >= nb - 2 or global_shape(b)[d] == 1:
+        return {}
+    if global_shape(b)[d] != global_shape(a)[sa.dim]:
+        return None
+    return {b: em.to_sharded(b, d, sa.inner)}
+
+
+def _same_batch_dim(a: fx.Node, sa: Sharded, b: fx.Node, sb: Sharded) -> bool:
+    """Both operands sharded along the same batch dim (aligned from the right, not a matrix dim)."""
+    na, nb = _ndim(a), _ndim(b)
+    return (na >= 3 and nb >= 3 and sa.dim < na - 2 and sb.dim < nb - 2 and sa.dim - na == sb.dim - nb
+            and sa.inner == sb.inner and global_shape(a)[sa.dim] == global_shape(b)[sb.dim])
+
+
+def addmm(em: Emitter, node: fx.Node):
+    """``addmm(bias, x, W)`` (HF's GPT-2 ``Conv1D``) on tokens along the rows of x: a per-token linear.
+
+    Before: x (B*S, K) Sharded(0), W (K, N), bias (N,). After: the same call on the
+    local rows (B*c, K) -> (B*c, N) Sharded(0). A bias with rows of its own or a
+    sharded W mixes tokens and is gathered.
+    """
+    bias, x, w = node.args[:3]
+    s, bias_shape = _sharded(em, x), global_shape(bias) if isinstance(bias, fx.Node) else ()
+    if s is None or s.dim != 0 or _sharded(em, bias) or _sharded(em, w) or (len(bias_shape) == 2 and bias_shape[0] != 1):
+        return em.fallback(node, "addmm mixing tokens")
+    return em.copy(node, *em.value((node.args, node.kwargs))), s

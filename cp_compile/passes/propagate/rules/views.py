@@ -1,0 +1,141 @@
+"""Layout rules for views, permutes and split/join ops (rows of the table in :mod:`.table`).
+
+    x (B, S/N, H*Dh).view(B, S, H, Dh)   -> view(B, c, H, Dh): the baked length becomes the local one
+    x (B, S/N, D).transpose(1, 2)        -> Sharded(2)
+    cat([a, b], dim=-1) of Sharded(1)    -> Sharded(1)   (not along the sequence dim)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...context import global_shape
+from ..emitter import Emitter
+from ..placements import Sharded, view_placement
+from .common import _dims_args, _name, _ndim, _norm, _sharded
+
+
+def view(em: Emitter, node: fx.Node):
+    x, s = node.args[0], _sharded(em, node.args[0])
+    out = view_placement(global_shape(x), global_shape(node), s, em.ctx.seq_len)
+    if out is None:
+        return em.fallback(node, "view that splits the sequence dim")
+    args = list(em.value(node.args))
+    if len(node.args) == 2 and isinstance(node.args[1], fx.Node) and node.args[1].target is torch.Size:
+        args[1] = tuple(em.value(node.args[1].args[0]))  # x.view(torch.Size([s0, s1, 192])) (dynamic shapes)
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    if sizes:  # a shape baked in for the full sequence: make exactly the sequence dim local
+        sizes = list(sizes)
+        if sizes[out.dim] != -1:
+            sizes[out.dim] = em.index.local_size(sizes[out.dim])
+        args = [args[0], tuple(sizes)] if len(node.args) == 2 and isinstance(args[1], (list, tuple)) \
+            else [args[0], *sizes]
+    kwargs = dict(em.value(node.kwargs))
+    if "shape" in kwargs and kwargs["shape"][out.dim] != -1:
+        kwargs["shape"] = tuple(em.index.local_size(v) if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
+    return em.copy(node, tuple(args), kwargs), out
+
+
+def shape_only(em: Emitter, node: fx.Node):
+    """Ops without size arguments (flatten, squeeze, unsqueeze, contiguous): follow the shapes."""
+    s = _sharded(em, node.args[0])
+    out = view_placement(global_shape(node.args[0]), global_shape(node), s, em.ctx.seq_len)
+    if out is None:
+        return em.fallback(node, f"{_name(node)} that splits the sequence dim")
+    return em.copy(node, *em.value((node.args, node.kwargs))), out
+
+
+def permute(em: Emitter, node: fx.Node):
+    s, nd = _sharded(em, node.args[0]), _ndim(node.args[0])
+    name = _name(node)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = (_norm(d, nd) for d in _dims_args(node, 2))
+        order = list(range(nd))
+        order[d0], order[d1] = order[d1], order[d0]
+    elif name == "t":
+        order = list(reversed(range(nd)))
+    elif name == "permute":
+        order = [_norm(d, nd) for d in _dims_args(node, nd)]
+    else:  # movedim
+        src, dst = (_norm(d, nd) for d in _dims_args(node, 2))
+        order = [d for d in range(nd) if d != src]
+        order.insert(dst, src)
+    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(order.index(s.dim), s.inner)
+
+
+def expand(em: Emitter, node: fx.Node):
+    s, x = _sharded(em, node.args[0]), node.args[0]
+    out_dim = s.dim + _ndim(node) - _ndim(x)
+    args = em.value(node.args)
+    sizes = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+    if sizes[out_dim] != -1:
+        sizes[out_dim] = em.index.local_size(sizes[out_dim])
+    return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner)
+
+
+def along_dim(em: Emitter, node: fx.Node):
+    """chunk / split / unbind / repeat_interleave: fine unless along the sequence dim."""
+    x, s = node.args[0], _sharded(em, node.args[0])
+    nd, name = _ndim(x), _name(node)
+    default = 0 if name in ("chunk", "split", "unbind") else None
+    pos = {"chunk": 2, "split": 2, "unbind": 1, "repeat_interleave": 2}.get(name, 2)
+    dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    if name == "repeat_interleave" and dim is not None and _norm(dim, nd) == s.dim and type(repeats) is int:
+        # each token row repeated r times in place: row t·r + j, i.e. the token dim with inner·r
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim, s.inner * repeats)
+    if dim is None or _norm(dim, nd) == s.dim:
+        return em.fallback(node, f"{name} along the sequence dim")
+    new = em.copy(node, *em.value((node.args, node.kwargs)))
+    if name == "repeat_interleave":
+        return new, s
+    n_out = len(node.meta["example_value"])
+    out = Sharded(s.dim - (1 if name == "unbind" and _norm(dim, nd) < s.dim else 0), s.inner)
+    return new, tuple(out for _ in range(n_out))
+
+
+def concat(em: Emitter, node: fx.Node):
+    """cat / stack of operands that share one sequence layout, not along the sequence dim.
+
+    Empty operands are dropped first: Hugging Face's KV cache in training is
+    ``torch.cat([torch.tensor([]), k], dim=-2)`` (a 1-D empty tensor, which cat skips),
+    so ``cat([empty (0,), k (B, H, S, D)], -2) -> k`` stays Sharded.
+    """
+    tensors = [t for t in node.args[0] if not _is_empty(t)] if node.target is not torch.stack else list(node.args[0])
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if len(tensors) == 1 and _sharded(em, tensors[0]):  # cat promotes dtypes over the empties too
+        out, dtype = em.env[tensors[0]], node.meta["example_value"].dtype
+        same = tensors[0].meta["example_value"].dtype == dtype
+        return (out if same else em.method("to", out, dtype)), _sharded(em, tensors[0])
+    lays = {(s.dim, s.inner) for t in tensors if (s := _sharded(em, t))}
+    nd = _ndim(tensors[0])
+    seq_dim, inner = lays.pop() if len(lays) == 1 else (None, 1)
+    is_stack = node.target is torch.stack
+    if not is_stack and seq_dim is not None and _norm(dim, nd) == seq_dim and _flattened_tokens(em, tensors, seq_dim):
+        # rows of flattened tokens (B·S, ...) stacked: locally (outer_1 + outer_2 + ...)·c rows, outer-major
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(seq_dim, inner)
+    if seq_dim is None or (not is_stack and _norm(dim, nd) == seq_dim):
+        return em.fallback(node, f"{_name(node)} along the sequence dim")
+    conv = {t: em.to_sharded(t, seq_dim, inner) for t in tensors if not _sharded(em, t)}
+    new_list = [conv.get(t, em.env[t]) for t in tensors]
+    out_dim = seq_dim + (1 if is_stack and _norm(dim, nd + 1) <= seq_dim else 0)
+    return em.copy(node, (new_list, *em.value(node.args[1:])), em.value(node.kwargs)), Sharded(out_dim, inner)
+
+
+def _flattened_tokens(em: Emitter, tensors: list, dim: int) -> bool:
+    """Every operand Sharded along ``dim`` with the tokens merged below outer dims (size outer·S·inner,
+    outer > 1: the rows of ``x.view(-1, D)``): a cat along ``dim`` then only stacks more outer blocks."""
+    lays = [_sharded(em, t) for t in tensors]
+    if not all(lays):
+        return False
+    S = em.ctx.seq_len
+    return all(global_shape(t)[dim] > S * s.inner for t, s in zip(tensors, lays))
+
+
+def _is_empty(t: Any) -> bool:
+    """A tensor operand with no elements (cat skips 1-D empties and adds nothing for others)."""
+    shape = global_shape(t) if isinstance(t, fx.Node) else None
+    return shape is not None and 0 in shape
