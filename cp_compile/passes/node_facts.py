@@ -8,12 +8,14 @@ no key collides with torch's own (``val``, ``example_value``, ``recompute``, ...
     facts(node).global_val   # the single-device fake value (the node's val is per rank)
     facts(node).ring_call    # on a ring op: the typed description of the call
 
-:func:`facts` creates the record on first use; :func:`peek` reads it without creating one.
+The record is frozen and replaced on every update (:func:`set_facts`): FX copies a node's
+meta shallowly (``Graph.node_copy``), so an updated copy must not write through to the node
+it was copied from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -21,7 +23,7 @@ import torch.fx as fx
 META_KEY = "cp_compile"
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeFacts:
     """Per-node results of the passes (all optional: most nodes have none)."""
 
@@ -30,14 +32,16 @@ class NodeFacts:
     ring_call: Optional[Any] = None  # the ring op's typed description (set by the attention rule)
 
 
+_EMPTY = NodeFacts()
+
+
 def facts(node: fx.Node) -> NodeFacts:
-    """The node's :class:`NodeFacts`, created empty on first use."""
-    found = node.meta.get(META_KEY)
-    if found is None:
-        found = node.meta[META_KEY] = NodeFacts()
-    return found
+    """The node's :class:`NodeFacts` (an empty one when no pass recorded any)."""
+    return node.meta.get(META_KEY, _EMPTY)
 
 
-def peek(node: fx.Node) -> Optional[NodeFacts]:
-    """The node's :class:`NodeFacts` if a pass recorded any, else None."""
-    return node.meta.get(META_KEY)
+def set_facts(node: fx.Node, **fields: Any) -> NodeFacts:
+    """Record ``fields`` on ``node`` (a new record: copies of the node keep theirs)."""
+    new = replace(facts(node), **fields)
+    node.meta[META_KEY] = new
+    return new
