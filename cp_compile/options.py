@@ -2,10 +2,11 @@
 
 :class:`RingOptions` holds the knobs of the ring attention op; :class:`BackendOptions`
 those of the ``ring_cp`` backend (``torch.compile(..., backend="ring_cp", options={...})``
-or ``RingCP(**options)``). Every field with a closed set of values is a ``Literal``: the
+or ``RingCP(**options)``); :class:`RewriteOptions` the part of them the graph rewrite reads
+(:meth:`BackendOptions.rewrite_options`). Every field with a closed set of values is a ``Literal``: the
 accepted values are read from that type (:func:`literal_choices`), so the type, the
-validation and the error message cannot disagree. Both classes are frozen dataclasses,
-so an options object can be hashed into compile caches.
+validation and the error message cannot disagree. All are frozen dataclasses, so an
+options object can be hashed into compile caches (RewriteOptions with a seq_inputs dict aside).
 """
 
 from __future__ import annotations
@@ -100,9 +101,31 @@ class RingOptions:
             raise ValueError(f"cp_compile: kernel must be a name (str), got {self.kernel!r}.")
 
 
-# BackendOptions fields that RewriteContext takes as they are (mesh becomes the group; timeout,
-# inner go to the ring ops and the hand-off).
-_REWRITE_OPTIONS = ("load_balance", "rotate", "kernel", "seq_inputs", "inputs", "outputs", "grad_sync", "strict")
+SeqInputs = Union[Literal["auto"], Dict[str, int]]
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """What the graph rewrite is asked for (:attr:`cp_compile.passes.context.RewriteContext.options`):
+    the fields of :class:`BackendOptions` the passes read, frozen, apart from what they find."""
+
+    load_balance: LoadBalance = "zigzag"
+    rotate: Rotate = "p2p"
+    kernel: Kernel = "auto"
+    seq_inputs: SeqInputs = "auto"  # a dict is the rewrite's own copy (BackendOptions.rewrite_options)
+    inputs: Mode = "full"  # "local": sequence inputs arrive already sharded (cp_compile.shard)
+    outputs: Mode = "full"
+    grad_sync: GradSync = "allreduce"
+    strict: bool = False
+    timeout: Optional[float] = None  # given to every ring op (the finalize pass ring_timeout)
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        check_timeout(self.timeout)
+        if not isinstance(self.kernel, str):
+            raise ValueError(f"cp_compile: kernel must be a name (str), got {self.kernel!r}.")
+        if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
+            raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
 
 
 @dataclass(frozen=True)
@@ -120,7 +143,7 @@ class BackendOptions:
     """How K/V travel (see :class:`RingOptions`)."""
     kernel: Kernel = "auto"
     """The block kernel of every ring op (see :class:`RingOptions`)."""
-    seq_inputs: Union[Literal["auto"], Dict[str, int]] = "auto"
+    seq_inputs: SeqInputs = "auto"
     """Which graph inputs carry the sequence: ``"auto"`` (found from attention's length) or
     ``{argument name: sequence dim}``."""
     inputs: Mode = "full"
@@ -140,9 +163,10 @@ class BackendOptions:
     check_batch: bool = True
     """Under ``inputs="full"``: each call of a rewritten graph first checks, with one all-gather of
     a few int64 over the CP group, that every rank was passed the same per-token inputs (a
-    fingerprint of the bytes of each input with a dim of size S: token ids, labels, masks), and raises ``BatchMismatchError`` on every rank if not
-    (a sampler over all ranks instead of the DP ranks). ``False``: no check and no collective.
-    Never runs with ``inputs="local"`` (each rank's shard differs) or a CP group of size 1."""
+    fingerprint of the bytes of each input with a dim of size S: token ids, labels, masks), and raises
+    ``BatchMismatchError`` on every rank if not (a sampler over all ranks instead of the DP ranks).
+    ``False``: no check and no collective. Never runs with ``inputs="local"`` (each rank's shard
+    differs) or a CP group of size 1."""
 
     def __post_init__(self) -> None:
         check_literals(self)
@@ -157,19 +181,20 @@ class BackendOptions:
         if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
             raise ValueError("cp_compile: seq_inputs must be 'auto' or a dict {argument name: sequence dim}.")
 
-    def rewrite_options(self) -> Dict[str, Any]:
-        """The options the graph rewrite reads (:class:`~.passes.context.RewriteContext` fields).
+    def rewrite_options(self) -> RewriteOptions:
+        """The :class:`RewriteOptions` of these options (the mesh becomes the group; inner and
+        check_batch belong to the hand-off).
 
         Read field by field, never with ``dataclasses.asdict``: that deep-copies every value,
         and a ``ProcessGroup`` in ``mesh`` cannot be copied (``TypeError: cannot pickle
         'ProcessGroup'``). ``seq_inputs`` is copied, so the rewrite cannot change the user's dict.
         """
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _REWRITE_OPTIONS}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(RewriteOptions)}
         if isinstance(values["seq_inputs"], dict):
             values["seq_inputs"] = dict(values["seq_inputs"])
-        return values
+        return RewriteOptions(**values)
 
 
 _LITERAL_FIELDS: Dict[type, Tuple[Tuple[str, Tuple[str, ...]], ...]] = {
-    cls: _literal_fields(cls) for cls in (RingOptions, BackendOptions)
+    cls: _literal_fields(cls) for cls in (RingOptions, RewriteOptions, BackendOptions)
 }

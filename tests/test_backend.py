@@ -101,7 +101,8 @@ def test_llama_on_four_ranks(ranks):
 def test_label_shift_inside_model_is_exact_without_a_gather(ranks):
     """logits[:, :-1] against labels[:, 1:]: the loss runs on the whole logits with the labels
     padded by ignore_index (passes/loss_shift.py), so nothing is gathered (tests/test_zoo_shift.py)."""
-    for loss_err, grad_err, fallbacks, summary in ranks.run(2, _compare, "llama_factory", {"shift_labels_inside": True}, {}):
+    shifted = {"shift_labels_inside": True}
+    for loss_err, grad_err, fallbacks, summary in ranks.run(2, _compare, "llama_factory", shifted, {}):
         assert loss_err <= TOL and grad_err <= TOL
         assert fallbacks == 0 and summary["gather_seq"] == 0
 
@@ -295,7 +296,9 @@ def _meta_shapes():
     (gm,) = backend.graphs
     ring = [n for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
     q = ring[0].args[0]
-    return tuple(q.meta["val"].shape), tuple(q.meta["cp_global_val"].shape)
+    from cp_compile.passes.node_facts import facts
+
+    return tuple(q.meta["val"].shape), tuple(facts(q).global_val.shape)
 
 
 def test_rewritten_graph_metadata_holds_local_and_global_shapes(ranks):

@@ -75,12 +75,13 @@ def _node(gm: torch.fx.GraphModule, target: Any) -> torch.fx.Node:
 
 
 def _result(report: Any, original: torch.fx.Node) -> torch.fx.Node:
-    """What ``original`` became: its copy (its global value kept in ``cp_global_val``, or at least its name), or for
-    a reduction over the sequence the all-reduce of the local sums that replaces it."""
+    """What ``original`` became: its copy (its global value kept in ``facts(node).global_val``, or at least its
+    name), or for a reduction over the sequence the all-reduce of the local sums that replaces it."""
     from cp_compile import graph_ops
+    from cp_compile.passes.node_facts import facts
 
     ex = original.meta["example_value"]
-    copies = [n for n in report.after.graph.nodes if n.meta.get("cp_global_val") is ex and n.op != "placeholder"]
+    copies = [n for n in report.after.graph.nodes if facts(n).global_val is ex and n.op != "placeholder"]
     named = [n for n in report.after.graph.nodes if n.name == original.name]
     return (copies or named or [_node(report.after, graph_ops.all_reduce_sum)])[0]
 
@@ -105,7 +106,8 @@ def test_rows_cover_every_rule_module() -> None:
     tests/test_dead_code.py; the table itself has no rule of its own)."""
     modules = {fn.__module__.rsplit(".", 1)[1] for fn in RULES.values()}
     covered: Tuple[str, ...] = tuple(row[1] for row in ROWS.values())
-    assert modules - set(covered) <= {"attention", "flex", "routing", "fill", "autograd_fn", "vmap"}, modules - set(covered)
+    uncovered = modules - set(covered)
+    assert uncovered <= {"attention", "flex", "routing", "fill", "autograd_fn", "vmap"}, uncovered
 
 
 class _TanhGelu(torch.autograd.Function):

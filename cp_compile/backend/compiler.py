@@ -2,8 +2,8 @@
 
 ``torch.compile(model, backend="ring_cp", options={...})`` or
 ``torch.compile(model, backend=cp_compile.RingCP(...))``. Each graph Dynamo hands
-over is rewritten for the CP group by :func:`rewrite_for_cp` (the pass order is listed
-in :mod:`cp_compile.passes`) and passed to the inner compiler. With no
+over is rewritten for the CP group by :func:`rewrite_for_cp` (the passes are listed, in
+order, in :mod:`cp_compile.passes.pipeline`) and passed to the inner compiler. With no
 process group or a CP group of size 1 the graph goes to the inner compiler
 unchanged; a graph without attention does too, except that under
 ``grad_sync="none"`` its parameter gradients become this rank's 1/N share
@@ -25,20 +25,12 @@ from .batch_guard import guard_same_batch
 from ..options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)
 from .eager_guard import guard_eager_parameters
 from .local_guard import guard_local_shards
-from ..passes.context import CPRewriteError, RewriteContext, global_shape
-from ..passes.normalize.expand_fastpath import expand_fastpath
-from ..passes.normalize.expand_mha import expand_mha
-from ..passes.analyze.find_attention import find_attention
-from ..passes.normalize.fuse_attention import fuse_attention
+from ..passes.context import RewriteContext
 from ..passes.finalize.grad_share import share_parameter_grads
-from ..passes.normalize.loss_shift import move_loss_slices
-from ..passes.normalize.nested import refuse_nested_tensors
-from ..passes.propagate.rewrite import rewrite_graph
-from ..passes.normalize.regions import checkpoint_regions, inline_regions
-from ..passes.finalize.repropagate import repropagate
-from ..passes.analyze.seq_inputs import choose_seq_inputs, is_parameter_like, resolve_candidates, user_name
-from ..passes.analyze.seq_origins import choose_seq_origins
-from ..passes.analyze.unsplit import find_unsplit_attention
+from ..passes.fx_utils import global_shape
+from ..passes.normalize.regions import checkpoint_regions
+from ..passes.analyze.seq_inputs import is_parameter_like, user_name
+from ..passes.pipeline import run_pipeline
 from .record import GraphRecord, record_graph, warn_no_attention, warn_whole_sequence
 from .schedule import inductor_overlap_config, schedule_collectives
 
@@ -79,7 +71,7 @@ class RingCP:
         if group.size == 1:
             log.info("cp_compile: CP group of size 1 (or no process group): compiling the graph unchanged")
             return inner(gm, example_inputs)
-        ctx = RewriteContext(group=group, **opts.rewrite_options())
+        ctx = RewriteContext(group=group, options=opts.rewrite_options())
         new_gm = rewrite_for_cp(gm, example_inputs, ctx)
         # Recorded only once the inner compiler returns: Dynamo may abandon a compile and
         # restart it (e.g. TensorifyScalarRestartAnalysis under dynamic=True), calling us twice.
@@ -96,7 +88,6 @@ class RingCP:
             self.no_attention.append(gm)
             self.records.append(ctx.record)
         else:
-            _set_ring_timeout(new_gm, opts.timeout)
             checkpoint_regions(new_gm, ctx.regions)  # recomputed in the backward, the ring's results saved
             compiled = _hand_off(opts.inner, inner, new_gm, example_inputs, same_on_every_rank=not ctx.shard_nodes)
             compiled = _guard_batch(compiled, gm, example_inputs, ctx, opts)
@@ -176,46 +167,17 @@ def batch_inputs(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCont
                                               and ctx.seq_len in (global_shape(n) or ()))]
 
 
-def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
-    """Give every ring op of the rewritten graph the backend's ``timeout`` (its backward
-    inherits it through the op's autograd)."""
-    if timeout is None:
-        return
-    fwd = torch.ops.cp_compile.ring_attention_fwd.default
-    for module in gm.modules():  # a selective-AC region's body too (passes/region_outline.py)
-        if isinstance(module, fx.GraphModule):
-            for node in module.graph.find_nodes(op="call_function", target=fwd):
-                node.kwargs = {**node.kwargs, "timeout": float(timeout)}
-            module.recompile()
-
-
 def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteContext) -> Optional[fx.GraphModule]:
-    """Run the passes in order on Dynamo's graph; None when it has no attention.
-
-    The order of :mod:`cp_compile.passes` (its docstring explains each step). Shared by the
-    backend and by ``cp-compile dump/explain``.
+    """Run the pipeline (:data:`cp_compile.passes.pipeline.PASSES`) on Dynamo's graph and record
+    what it got (:func:`.record.record_graph`: what explain prints; warns when little is sharded).
+    The rewritten graph, or None when the graph has no attention (the pipeline stopped after
+    the analyses; ``gm`` is compiled unchanged). Shared by the backend and ``cp-compile explain``.
     """
-    refuse_nested_tensors(gm)
-    ctx.regions = inline_regions(gm)  # checkpointed regions and nested compile regions: their bodies, inlined
-    expand_mha(gm, ctx)  # nn.MultiheadAttention / nn.Transformer*: its ops, ending in SDPA
-    expand_fastpath(gm, ctx)  # their eval-mode fast paths (torch._transformer_encoder_layer_fwd): the same
-    fuse_attention(gm, ctx)  # softmax(q @ kT * scale + mask) @ v written by hand: SDPA
-    find_attention(gm, ctx)
-    find_unsplit_attention(gm, ctx)  # attention in any other form: a WARNING, or an error under strict
+    new_gm = run_pipeline(gm, example_inputs, ctx)
     if not ctx.attention:
         ctx.record = record_graph(gm, None, ctx)
         return None
-    move_loss_slices(gm, ctx)  # loss(logits[:, :-1], y): loss(logits, y padded by ignore_index), no slice
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    examples = {n.name: t for n, t in zip(placeholders, example_inputs)}
-    choose_seq_inputs(gm, ctx, examples)
-    if ctx.seq_inputs == "auto":
-        resolve_candidates(ctx, lambda choice: _rewrites_cleanly(gm, ctx, examples, choice), gm)
-    choose_seq_origins(gm, ctx)  # no input carries the sequence: shard where it arises
-    log.debug("cp_compile: graph before the rewrite\n%s", gm.code)
-    new_gm = rewrite_graph(gm, ctx, examples)
-    repropagate(new_gm, [n.meta.get("example_value") for n in placeholders])
-    ctx.record = record_graph(gm, new_gm, ctx)  # what explain prints; warns when little is sharded
+    ctx.record = record_graph(gm, new_gm, ctx)
     return new_gm
 
 
@@ -244,16 +206,6 @@ def _hand_off(name: str, inner: Callable, gm: fx.GraphModule, example_inputs: Li
 
         return aot_eager(gm, example_inputs, fw_compiler=scheduled, bw_compiler=scheduled)
     return inner(gm, example_inputs)
-
-
-def _rewrites_cleanly(gm: fx.GraphModule, ctx: RewriteContext, examples, choice: Dict[str, int]) -> bool:
-    """Whether sharding ``choice`` lets the whole graph rewrite with no gather (a trial run)."""
-    trial = replace(ctx, shard_inputs=choice, strict=True, fallbacks=[])
-    try:
-        rewrite_graph(gm, trial, examples)
-    except CPRewriteError:
-        return False
-    return True
 
 
 def ring_cp(

@@ -183,7 +183,7 @@ def mask_forms(after: fx.GraphModule) -> List[str]:
 def _one_device_bytes(before: fx.GraphModule, ctx: RewriteContext) -> int:
     """Activation bytes of ``before`` on one device. Under ``inputs="local"`` the traced graph
     holds this rank's length (a symbol): counted at N times it, the whole sequence."""
-    if ctx.inputs == "local" and ctx.seq_sym is not None:
+    if ctx.options.inputs == "local" and ctx.seq_sym is not None:
         return activation_bytes(before, "example_value", (ctx.seq_sym, ctx.group.size))
     return activation_bytes(before, "example_value")
 

@@ -5,6 +5,8 @@ so a reader of a dumped graph (``CP_COMPILE_DUMP``) or a pass finds them in one 
 no key collides with torch's own (``val``, ``example_value``, ``recompute``, ...)::
 
     facts(node).region       # the checkpointed / compiled region the node came from
+    facts(node).flex         # on a flex_attention node: its parsed mods and buffers
+    facts(node).unfused      # on a softmax of attention that could not become SDPA: why
     facts(node).global_val   # the single-device fake value (the node's val is per rank)
     facts(node).ring_call    # on a ring op: the typed description of the call
 
@@ -28,6 +30,8 @@ class NodeFacts:
     """Per-node results of the passes (all optional: most nodes have none)."""
 
     region: Optional[Any] = None  # passes.normalize.regions.Region
+    flex: Optional[Any] = None  # on a flex_attention node: its parsed passes.analyze.find_flex.FlexSpec
+    unfused: Optional[str] = None  # on a softmax fuse_attention matched but could not turn into SDPA: why
     global_val: Optional[Any] = None  # the single-device fake value, after repropagate
     ring_call: Optional[Any] = None  # the ring op's typed description (set by the attention rule)
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .context import fake_value
+from .fx_utils import IN_PLACE_OPERATORS, fake_value, writes_in_place  # noqa: F401 (re-exported: part of the vocabulary)
 from .analyze.score_fn import scaled_dot_product_attention_with_scores
 
 # attention the ring replaces: SDPA, and SDPA with a function of the scores (score_fn.py: soft-capping)
@@ -58,19 +58,6 @@ def same(a: Any, b: Any) -> bool:
     return statically_known_true(a == b)
 
 
-# operator functions that write to their first argument (``x += y``, ``x[i] = y``); ``operator.or_`` does not
-IN_PLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
-
-
-def writes_in_place(node: fx.Node) -> bool:
-    """Whether ``node`` writes to its first argument: ``x.add_(..)``, ``torch.relu_(x)``, ``x[i] = ..``,
-    ``x += ..`` (and not ``a | b``: ``operator.or_`` ends in ``_`` without being in place)."""
-    if getattr(node.target, "__module__", None) == "_operator":
-        return node.target in IN_PLACE_OPERATORS
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
 
 
 # ops whose result may share memory with their first argument (an in-place op on it writes to that too)

@@ -1,11 +1,12 @@
 """Graph inspection for ``cp-compile dump`` / ``cp-compile explain``, in one process.
 
 No process group is needed: the model is traced once by Dynamo with a capturing
-backend, and the ``ring_cp`` passes (find_attention -> choose_seq_inputs ->
-resolve_candidates -> rewrite_graph -> repropagate, as in ``RingCP.__call__``) run on
+backend, and the ``ring_cp`` pipeline (:data:`cp_compile.passes.pipeline.PASSES`, through
+:func:`~cp_compile.backend.compiler.rewrite_for_cp`, as in ``RingCP.__call__``) runs on
 a copy of the graph for a synthetic CP group ``CPGroup(pg=None, rank=r, size=N)``.
 The rewritten graph is never run; its nodes carry ``meta["val"]`` (rank r's local
-fake value) and, for nodes copied from the original graph, ``meta["cp_global_val"]``.
+fake value) and, for nodes copied from the original graph, ``facts(node).global_val``
+(:mod:`cp_compile.passes.node_facts`).
 
 The passes run *inside* the capture callback: Dynamo drops the placeholders'
 ``grapharg`` metadata (which names the forward() argument behind each input) once
@@ -26,11 +27,12 @@ import torch
 import torch.fx as fx
 
 from ..group import CPGroup
-from ..options import LOAD_BALANCES, check_choice
+from ..options import LOAD_BALANCES, RewriteOptions, check_choice
 from ..backend.cost import KINDS, Collective, RingMask, activation_bytes, collectives, nbytes, node_kind  # noqa: F401
 from ..backend.cost import ring_masks
 from ..backend.cost import to_int as _int
 from ..passes.context import RewriteContext, source_line
+from ..passes.node_facts import facts
 from ..passes.analyze.graph_inputs import user_name
 
 
@@ -105,20 +107,16 @@ def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_s
     ``rank``: whose graph to show (ranks differ where the sequence is assembled inside the
     graph: each takes its own rows of the pieces). ``dynamic``: trace with a symbolic sequence
     length, as ``torch.compile(..., dynamic=True)`` does (always, under ``inputs="local"``,
-    which needs it). ``opts``: the other RewriteContext options (rotate, kernel, seq_inputs,
-    inputs, outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
+    which needs it). ``opts``: the other :class:`~cp_compile.options.RewriteOptions` (rotate,
+    kernel, seq_inputs, inputs, outputs, grad_sync, strict). ``aot``: also partition the rewritten graph with
     AOTAutograd (fake tensors only) into the forward and backward graphs the inner
     compiler would get. Resets Dynamo's caches first (each call traces anew).
     Raises :class:`ExplainError` when tracing fails and CPRewriteError when the
     rewrite refuses the model.
     """
-    if not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"cp_compile: world_size must be an int >= 2 (a CP group of 1 is not rewritten), "
-                         f"got {world_size!r}.")
-    check_choice("load_balance", load_balance, LOAD_BALANCES)
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"cp_compile: rank must be in [0, {world_size}), got {rank!r}.")
-    ctx = RewriteContext(group=CPGroup(pg=None, rank=rank, size=world_size), load_balance=load_balance, **opts)
+    _check_args(world_size, load_balance, rank)
+    ctx = RewriteContext(group=CPGroup(pg=None, rank=rank, size=world_size),
+                         options=RewriteOptions(load_balance=load_balance, **opts))
     state: Dict[str, Any] = {}
 
     def capture(gm: fx.GraphModule, ex: List[Any]) -> Callable:
@@ -151,6 +149,16 @@ def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_s
     if "before" not in state:
         raise ExplainError("Dynamo produced no graph for this model (nothing to compile?).")
     return _build_report(world_size, load_balance, ctx, **state)
+
+
+def _check_args(world_size: Any, load_balance: Any, rank: Any) -> None:
+    """Refuse a CP group explain cannot show (naming the fix)."""
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"cp_compile: world_size must be an int >= 2 (a CP group of 1 is not rewritten), "
+                         f"got {world_size!r}.")
+    check_choice("load_balance", load_balance, LOAD_BALANCES)
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"cp_compile: rank must be in [0, {world_size}), got {rank!r}.")
 
 
 def _aot_graphs(gm: fx.GraphModule, ex: List[Any]) -> Dict[str, fx.GraphModule]:
@@ -226,7 +234,7 @@ def _origin_map(before: fx.GraphModule, after: fx.GraphModule) -> Dict[fx.Node, 
     by_val = {id(n.meta["example_value"]): n for n in before.graph.nodes if n.meta.get("example_value") is not None}
     out = {}
     for n in after.graph.nodes:
-        val = n.meta.get("cp_global_val")
+        val = facts(n).global_val
         if val is not None and id(val) in by_val:
             out[n] = by_val[id(val)]
         elif n.op in ("placeholder", "output"):
@@ -283,7 +291,7 @@ def _rows_after(before: fx.GraphModule, after: fx.GraphModule, names: Dict[str, 
         src = source_line(n) if n.meta.get("stack_trace") else ""
         if kind == "ring_attention":
             src = next(rings, "")  # one ring op per original attention, in graph order
-        glob = _shape(n.meta.get("cp_global_val"))
+        glob = _shape(facts(n).global_val)
         loc = _shape(n.meta.get("val"))
         if glob is None and kind == "gather":
             glob = loc  # a gather's value is the full sequence on every rank
@@ -293,7 +301,8 @@ def _rows_after(before: fx.GraphModule, after: fx.GraphModule, names: Dict[str, 
 
 def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, before: fx.GraphModule,
                   after: fx.GraphModule, input_names: Dict[str, str],
-                  aot_forward: Optional[fx.GraphModule] = None, aot_backward: Optional[fx.GraphModule] = None) -> Report:
+                  aot_forward: Optional[fx.GraphModule] = None,
+                  aot_backward: Optional[fx.GraphModule] = None) -> Report:
     """The :class:`Report` of one rewrite; every per-rank figure is read off ``after``."""
     attention = [(n.name, source_line(n)) for n in ctx.attention]
     before_rows = _rows_before(before, input_names)

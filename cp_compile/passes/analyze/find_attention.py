@@ -1,10 +1,12 @@
-"""Pass 1: find every scaled_dot_product_attention (and flex_attention) and the sequence length S.
+"""Find every scaled_dot_product_attention (and flex_attention) and the sequence length S.
 
-Before: a Dynamo graph. After: the same graph; ``ctx.attention`` lists the SDPA and
-FlexAttention nodes and ``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D));
-a flex_attention node carries its parsed mods (:mod:`.find_flex`) and no longer reads its
-BlockMask, whose construction is erased (the ring evaluates the mask_mod per rectangle);
-``ctx.masks`` says, for each attention given a mask, what the ring op makes of it:
+Before: a Dynamo graph (its masks' views moved onto their terms, :mod:`..normalize.mask_views`).
+After: the same graph (the mask analysis adds only the ``~m`` terms it names and routes the
+document ids' inputs through ``whole``, :mod:`.masks`); ``ctx.attention`` lists the SDPA and FlexAttention nodes and
+``ctx.seq_len`` is their common sequence length (q, k and v all (B, H, S, D)); a flex_attention
+node carries its parsed mods (:mod:`.find_flex`, in its node facts), whose BlockMask the pass
+:mod:`..normalize.block_masks` then drops; ``ctx.masks`` says, for each attention given a mask,
+what the ring op makes of it:
 causal, full or a causal sliding window, and the terms it must apply as an explicit
 mask (:mod:`.masks`).
 """
@@ -15,10 +17,8 @@ import torch
 import torch.fx as fx
 
 from ..context import CPRewriteError, RewriteContext, global_shape, log, source_line
-from .find_flex import drop_block_masks, is_flex, parse_flex
+from .find_flex import is_flex, parse_flex
 from .masks.classify import classify_mask
-from .masks.views import distribute_views
-from ..propagate.emitter import erase_unused
 from ..op_vocab import SDPA_TARGETS
 
 
@@ -101,20 +101,13 @@ def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
             "(a learned attention bias); the ring op treats masks as constants and would drop its gradient. "
             "Fix: detach the bias if it is not trained, or run this model without context parallelism."
         )
-    moved = distribute_views(mask, ctx.mask_views)  # (a & b)[:, None] -> a' & b': each term on its own
-    if moved is not mask:
-        node.replace_input_with(mask, moved)
-        erase_unused(node.graph, [mask])  # the view of the whole conjunction, once no attention reads it
-    ctx.masks[node] = classify_mask(moved, node, seq_len)
+    ctx.masks[node] = classify_mask(mask, node, seq_len)
 
 
 def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     """Fill ``ctx.attention`` and ``ctx.seq_len``; raise if there is nothing to parallelise."""
     ctx.attention = [n for n in gm.graph.nodes if is_sdpa(n)]
     lens = {_check_flex(gm, n, ctx) if is_flex(n) else _check_supported(n, ctx) for n in ctx.attention}
-    flex = [n for n in ctx.attention if is_flex(n)]
-    if flex:
-        drop_block_masks(gm, flex)
     if len(lens) > 1:
         raise CPRewriteError(
             f"cp_compile: attention calls use different sequence lengths {sorted(lens)} in one graph. "
@@ -122,7 +115,7 @@ def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         )
     if lens:
         ctx.seq_len = lens.pop()
-    if ctx.attention and ctx.inputs == "local" and ctx.seq_sym is None:
+    if ctx.attention and ctx.options.inputs == "local" and ctx.seq_sym is None:
         raise CPRewriteError(
             f"cp_compile: inputs='local' needs the sequence length symbolic, but the traced graph has the static "
             f"local length {ctx.seq_len}: it only knows the local length, and which of its constants mean 'the "

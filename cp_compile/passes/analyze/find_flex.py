@@ -21,8 +21,9 @@ BlockMask passed as an argument arrives as graph inputs (its tensors); in both c
 mask_mod subgraph is the tuple's last item. Without a block_mask, flex passes an all-true
 mask_mod (``new_ones(dtype=bool)``) and blocks of 2**30; without a score_mod, the identity.
 
-The ring evaluates the mask_mod per rectangle at global positions, so :func:`drop_block_masks`
-takes the BlockMask tensors out of the node and erases the O(S²) construction that fed them.
+The ring evaluates the mask_mod per rectangle at global positions, so the pass
+:mod:`..normalize.block_masks` takes the BlockMask tensors out of the node and erases the
+O(S²) construction that fed them.
 """
 
 from __future__ import annotations
@@ -30,16 +31,16 @@ from __future__ import annotations
 import operator
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Set, Tuple
+from typing import Any, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
 
-from ..context import CPRewriteError, fake_value, source_line
-from ..propagate.emitter import erase_unused, mutates
+from ..context import CPRewriteError
+from ..fx_utils import fake_value, source_line
+from ..node_facts import facts, set_facts
 
 FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
-META = "cp_compile_flex"  # node.meta key of the parsed FlexSpec
 BLOCKS_OF_NO_MASK = 1 << 30  # flex's block size for "no block_mask given" (_LARGE_SPARSE_BLOCK_SIZE)
 
 
@@ -133,9 +134,9 @@ def _check_heads(node: fx.Node) -> int:
 
 
 def parse_flex(gm: fx.GraphModule, node: fx.Node) -> FlexSpec:
-    """The :class:`FlexSpec` of ``node`` (cached in ``node.meta``), or a CPRewriteError naming the fix."""
-    if META in node.meta:
-        return node.meta[META]
+    """The :class:`FlexSpec` of ``node`` (cached in its :mod:`..node_facts`), or a CPRewriteError naming the fix."""
+    if facts(node).flex is not None:
+        return facts(node).flex
     _user_frames_only(node)
     where = source_line(node)
     _check_heads(node)
@@ -165,7 +166,7 @@ def parse_flex(gm: fx.GraphModule, node: fx.Node) -> FlexSpec:
         mask_buffers=_buffers(node, mask_bufs, "mask_mod"),
         lse=bool(options.get("OUTPUT_LOGSUMEXP")) or 1 in _items_read(node),
         lse_log2=options.get("BACKEND") != "FLASH")
-    node.meta[META] = spec
+    set_facts(node, flex=spec)
     return spec
 
 
@@ -211,76 +212,5 @@ def _refuse_blocks_without_mask_mod(node: fx.Node, block: Tuple) -> None:
         "or pass block_mask=None for full attention.")
 
 
-def drop_block_masks(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
-    """Take the BlockMask tensors out of each flex node (the ring evaluates the mask_mod per rectangle)
-    and erase what computed only them: create_block_mask's O(S²) vmap, block sums and argsorts."""
-    roots: List[fx.Node] = []
-    for node in nodes:
-        block = node.args[4]
-        keep = len(block) - 1  # the mask_mod get_attr stays: the rule reads it
-        roots += [b for i, b in enumerate(block) if isinstance(b, fx.Node) and i != keep]
-        new_block = tuple(None if isinstance(b, fx.Node) and i != keep else b for i, b in enumerate(block))
-        node.args = (*node.args[:4], new_block, *node.args[5:])
-    _erase_slice(gm.graph, roots)
-    unused_batch_dims = [n for n in gm.graph.nodes if _name(n) == "_add_batch_dim" and not n.users]
-    erase_unused(gm.graph, unused_batch_dims)  # vmap over b and h that the mask_mod never read
-    _erase_empty_vmaps(gm.graph)
-    gm.recompile()
-
-
-def _erase_slice(graph: fx.Graph, roots: List[fx.Node]) -> None:
-    """Erase the largest set of nodes feeding ``roots`` that nothing outside the set reads.
-
-    In-place writes into a member (create_block_mask's ``dense_mask[rows, cols] = 1``) join the set
-    with their inputs; a write into anything else (an input, a buffer) keeps its target alive."""
-    members: Set[fx.Node] = set()
-    todo = list(roots)
-    while todo:
-        n = todo.pop()
-        if n in members or n.op not in ("call_function", "call_method"):
-            continue
-        members.add(n)
-        todo += n.all_input_nodes
-        todo += [u for u in n.users if _writes_into(u, n)]
-    changed = True
-    while changed:  # drop members read from outside the set, until none is
-        changed = False
-        for n in list(members):
-            writes_outside = mutates(n) and not (n.args and n.args[0] in members)
-            if writes_outside or any(u not in members for u in n.users):
-                members.discard(n)
-                changed = True
-    for n in reversed(list(graph.nodes)):
-        if n in members:
-            graph.erase_node(n)
-
-
-def _writes_into(user: fx.Node, node: fx.Node) -> bool:
-    return user.op in ("call_function", "call_method") and mutates(user) and bool(user.args) \
-        and user.args[0] is node
-
-
 def _name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-
-
-def _erase_empty_vmaps(graph: fx.Graph) -> None:
-    """Erase vmap brackets (increment ... decrement nesting) with nothing left between them."""
-    stack: List[List[Any]] = []  # [increment node, whether something remains inside]
-    for n in list(graph.nodes):
-        name = _name(n)
-        if name == "_vmap_increment_nesting":
-            stack.append([n, False])
-        elif name == "_vmap_decrement_nesting" and stack:
-            inc, used = stack.pop()
-            if used:
-                if stack:
-                    stack[-1][1] = True
-                continue
-            loader = inc.prev
-            graph.erase_node(n)
-            graph.erase_node(inc)
-            if _name(loader) == "lazy_load_decompositions" and not loader.users:
-                graph.erase_node(loader)
-        elif name != "lazy_load_decompositions" and stack:
-            stack[-1][1] = True

@@ -77,7 +77,7 @@ def is_parameter_like(node: fx.Node, example: Any) -> bool:
 def refuse_unknown(node: fx.Node, example: Any, ctx: RewriteContext) -> None:
     """Under ``grad_sync="none"`` a parameter's gradient stays this rank's share and any other
     input's is summed over the group: an input that could be either must not be guessed."""
-    if ctx.grad_sync == "none" and input_kind(node, example) == "unknown":
+    if ctx.options.grad_sync == "none" and input_kind(node, example) == "unknown":
         raise CPRewriteError(
             f"cp_compile: graph input {node.name} needs a gradient but is neither a Dynamo-traced input nor an "
             "nn.Parameter, so grad_sync='none' cannot tell whether its gradient should stay this rank's share "

@@ -32,11 +32,11 @@ def refuse_split_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[
                 and isinstance(examples.get(n.name), torch.Tensor) and input_kind(n, examples[n.name]) == "computed"]
     if not computed:
         return
-    if "local" in (ctx.inputs, ctx.outputs):
+    if "local" in (ctx.options.inputs, ctx.options.outputs):
         why = ("inputs='local' / outputs='local' keep this rank's shard across the split, where the next piece "
                "would take it for the whole sequence")
-    elif isinstance(ctx.seq_inputs, dict):
-        why = (f"seq_inputs={ctx.seq_inputs} names forward() arguments, while this piece's sequence inputs are "
+    elif isinstance(ctx.options.seq_inputs, dict):
+        why = (f"seq_inputs={ctx.options.seq_inputs} names forward() arguments, while this piece's sequence inputs are "
                "values the previous piece computed")
     else:
         return
@@ -66,21 +66,22 @@ def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[st
     refuse_split_inputs(gm, ctx, examples)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_user = {user_name(n): n for n in placeholders}
-    if isinstance(ctx.seq_inputs, dict):
-        unknown = set(ctx.seq_inputs) - set(by_user)
+    if isinstance(ctx.options.seq_inputs, dict):
+        unknown = set(ctx.options.seq_inputs) - set(by_user)
         if unknown:
             raise CPRewriteError(
                 f"cp_compile: seq_inputs names {sorted(unknown)} are not inputs of the compiled graph "
                 f"(inputs: {sorted(by_user)}). Fix: use the forward() argument names."
             )
-        ctx.shard_inputs = {by_user[k].name: dim % len(global_shape(by_user[k])) for k, dim in ctx.seq_inputs.items()}
+        ctx.shard_inputs = {by_user[k].name: dim % len(global_shape(by_user[k]))
+                            for k, dim in ctx.options.seq_inputs.items()}
         return gm
     flow = _dataflow(gm)
     qkv = {n for a in ctx.attention for n in qkv_args(a)}
     feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv)) if qkv else set()
     for n in placeholders:
         shape = global_shape(n)
-        reaches = n in feeds or ctx.inputs == "local"  # local: every per-token input is already a shard
+        reaches = n in feeds or ctx.options.inputs == "local"  # local: every per-token input is already a shard
         if not reaches or shape is None or is_parameter_like(n, examples.get(n.name)):
             continue
         dims = [d for d, size in enumerate(shape) if size == ctx.seq_len]

@@ -1,4 +1,4 @@
-"""Pass 2b: shard where the sequence arises, when no graph input carries it.
+"""Shard where the sequence arises, when no graph input carries it.
 
 Before: ``ctx.shard_inputs`` chosen (:mod:`.seq_inputs`) and empty: no input has
 attention's length S along a dim that reaches q/k/v. That is the case when the sequence
@@ -16,8 +16,8 @@ there: factories such as ``arange(S)`` are left to the position rule, which inde
 where they meet sharded values). The rewrite selects the rows as far upstream as is cheap
 (:mod:`.row_select`): into the pieces of a ``cat`` and through the per-token ops that made
 them, so with static shapes each rank embeds only its own patches. A patch-embedding
-convolution (stride = kernel) upstream is first opened into patches + linear
-(:mod:`.patch_conv`), so the selection reaches the image: each rank reads only its patches.
+convolution (stride = kernel) upstream was opened into patches + linear by the pass before
+(:mod:`..normalize.patch_conv`), so the selection reaches the image: each rank reads only its patches.
 """
 
 from __future__ import annotations
@@ -25,10 +25,23 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx as fx
 
+from typing import Set
+
 from ..context import RewriteContext, global_shape, log, source_line
 from .find_attention import qkv_args
-from ..normalize.patch_conv import open_patch_convs
 from .seq_inputs import _dataflow
+
+
+def needs_origins(ctx: RewriteContext) -> bool:
+    """Whether the sequence must be sharded where it arises: no input is sharded (and inputs are full)."""
+    return not ctx.shard_inputs and ctx.options.inputs == "full"
+
+
+def qkv_feeds(gm: fx.GraphModule, ctx: RewriteContext) -> Set[fx.Node]:
+    """Every node some attention's q, k or v is computed from (q, k, v included)."""
+    flow = _dataflow(gm)
+    qkv = {n for a in ctx.attention for n in qkv_args(a)}
+    return set().union(*(nx.ancestors(flow, n) | {n} for n in qkv))
 
 
 def _origin_dim(node: fx.Node, seq_len: int):
@@ -45,14 +58,9 @@ def _origin_dim(node: fx.Node, seq_len: int):
 
 def choose_seq_origins(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     """Fill ``ctx.shard_nodes`` when no input is sharded (see the module docstring)."""
-    if ctx.shard_inputs or ctx.inputs != "full":
+    if not needs_origins(ctx):
         return
-    flow = _dataflow(gm)
-    qkv = {n for a in ctx.attention for n in qkv_args(a)}
-    feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv))
-    if ctx.seq_sym is None and open_patch_convs(gm, ctx, feeds):  # per-patch convolutions: patches + linear
-        flow = _dataflow(gm)
-        feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv))
+    feeds = qkv_feeds(gm, ctx)
     for node in gm.graph.nodes:  # graph order: the earliest origins first
         dim = _origin_dim(node, ctx.seq_len) if node in feeds else None
         if dim is not None:

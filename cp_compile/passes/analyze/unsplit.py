@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from ..normalize.attention_match import einsum_parts, is_softmax, match_attention
 from ..context import CPRewriteError, RewriteContext, fake_value, log, source_line
-from ..normalize.fuse_attention import UNFUSED
+from ..node_facts import facts
 from .graph_inputs import is_parameter_like
 from ..op_vocab import BADDBMM, EINSUM, MATMUL, SDPA_TARGETS, arg, is_, tensor
 
@@ -144,7 +144,7 @@ def _attention_why(node: fx.Node, data: _Data) -> Optional[str]:
         return None  # no product of two sequences (a weight matrix is none)
     if is_(node, LOGSUMEXP):
         return "attention written with logsumexp (exp(s - logsumexp(s)) @ v) is not recognised"
-    why = node.meta.get(UNFUSED) or match_attention(node)[1]
+    why = facts(node).unfused or match_attention(node)[1]
     return why or "its scores or weights are not in a form ring_cp recognises (softmax(q·kᵀ·scale + bias)·v)"
 
 
@@ -209,7 +209,7 @@ def find_unsplit_attention(gm: fx.GraphModule, ctx: RewriteContext) -> List[str]
               "This graph gets no context parallelism: every rank runs it on the whole sequence.")
     for line in ctx.unsplit:
         message = f"cp_compile: attention that ring_cp cannot split, at {line}. {effect}"
-        if ctx.strict:
+        if ctx.options.strict:
             raise CPRewriteError(message + " (strict=True)")
         if line not in _warned:
             _warned.add(line)

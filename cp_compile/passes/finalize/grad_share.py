@@ -74,17 +74,17 @@ def share_parameter_grads(gm: fx.GraphModule, example_inputs: List[Any],
     params = _parameters_with_grad(gm, examples, ctx)
     if not params:
         return None
-    if "local" in (ctx.inputs, ctx.outputs):
+    if "local" in (ctx.options.inputs, ctx.options.outputs):
         first_use = source_line(next(iter(params.values()))[0])
         raise CPRewriteError(
             f"cp_compile: a graph without attention computes gradients of parameters "
-            f"{sorted(n.name for n in params)[:4]} (first used at {first_use}) under inputs='{ctx.inputs}', "
-            f"outputs='{ctx.outputs}': its values "
+            f"{sorted(n.name for n in params)[:4]} (first used at {first_use}) under inputs='{ctx.options.inputs}', "
+            f"outputs='{ctx.options.outputs}': its values "
             "may be this rank's shard or the whole sequence, which cannot be told, so its gradients could come out "
             "wrong. Fix: compile the model as one graph (fullgraph=True; remove the graph break; with DDP "
             "torch._dynamo.config.optimize_ddp = False), or inputs='full' and outputs='full'."
         )
-    if ctx.grad_sync == "allreduce":
+    if ctx.options.grad_sync == "allreduce":
         return None
     new_gm, renamed = _copy(gm)
     first_op = next(n for n in new_gm.graph.nodes if n.op != "placeholder")

@@ -2,7 +2,7 @@
 
 Before: new nodes carry Dynamo's ``example_value`` of the node they were copied
 from, i.e. *global* shapes. After: ``meta["val"]`` and ``meta["example_value"]``
-hold the local (per-rank) fake value and ``meta["cp_global_val"]`` the global one,
+hold the local (per-rank) fake value and ``facts(node).global_val`` the global one,
 so tools (logging, the CLI) can show both. Propagation runs under the placeholders'
 own fake mode with the Python dispatcher enabled (another fake mode would fail
 with "Mixing fake modes"); constant index buffers are fakeified on the way.
@@ -18,6 +18,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..context import log
+from ..node_facts import set_facts
 
 
 class _Prop(FakeTensorProp):
@@ -38,7 +39,7 @@ def repropagate(gm: fx.GraphModule, fake_inputs: List[Any]) -> fx.GraphModule:
     (mode,) = modes.values()
     for n in gm.graph.nodes:
         if "example_value" in n.meta:
-            n.meta["cp_global_val"] = n.meta.pop("example_value")
+            set_facts(n, global_val=n.meta.pop("example_value"))
     try:
         prop = _Prop(gm, mode)
         with enable_python_dispatcher():

@@ -144,7 +144,7 @@ def decoder_layer_path(node: fx.Node) -> Optional[str]:
 def _refuse(node: fx.Node, why: str, ctx: RewriteContext) -> None:
     msg = (f"cp_compile: nn.MultiheadAttention (multi_head_attention_forward) at {source_line(node)} is left "
            f"whole: {why}")
-    if ctx.strict:
+    if ctx.options.strict:
         raise CPRewriteError(msg + " (strict=True)")
     if msg not in _warned:
         _warned.add(msg)

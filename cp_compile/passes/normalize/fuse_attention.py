@@ -53,10 +53,10 @@ from .attention_match import Match, Operand, Term, is_softmax, match_attention
 from ..op_vocab import ALIASING, arg as _arg, is_ as _is, same as _same, tensor as _tensor, writes_in_place
 from ..context import RewriteContext, log, source_line
 from .fake_emit import FakeEmitter
+from ..node_facts import set_facts
 from ..analyze.score_fn import build_score_fn, scaled_dot_product_attention_with_scores
 
 
-UNFUSED = "cp_unfused"  # node.meta key on a softmax whose matched attention could not be emitted: why
 
 
 def fuse_attention(gm: fx.GraphModule, ctx: RewriteContext) -> int:
@@ -277,7 +277,7 @@ def _replace(graph: fx.Graph, m: Match) -> bool:
         em.undo()
         log.info("cp_compile: hand-written attention at %s left as written: %s", source_line(m.out), e)
         softmax = next(n for n in m.chain if is_softmax(n))
-        softmax.meta[UNFUSED] = f"it could not be written as scaled_dot_product_attention ({e})"
+        set_facts(softmax, unfused=f"it could not be written as scaled_dot_product_attention ({e})")
         return False
     if _written_in_place(m.out):  # `out += x` on a matmul's result; SDPA keeps its output for the backward
         out = em.method("clone", out)

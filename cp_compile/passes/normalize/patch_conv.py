@@ -1,4 +1,4 @@
-"""Pass 2c: a patch-embedding convolution becomes patchify + linear, one patch per row.
+"""A patch-embedding convolution becomes patchify + linear, one patch per row.
 
 A convolution whose stride equals its kernel, with no padding, dilation 1 and one group
 (ViT's ``nn.Conv2d(C, D, p, stride=p)``, a video tubelet ``nn.Conv3d(C, D, (t, p, p),
@@ -24,19 +24,22 @@ After::
 
 Exact up to the rounding of a matmul against the convolution's. Only convolutions that
 feed some attention's q/k/v and take no tensor with a dim of size S (the sequence arises
-at or after them), with static sizes divisible by the kernel, are opened.
+at or after them), with static sizes divisible by the kernel, are opened, and only when no
+input carries the sequence and S is static (what :mod:`..analyze.seq_origins` then needs).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..context import RewriteContext, fake_value, global_shape, log, source_line
+from ..analyze.seq_origins import needs_origins, qkv_feeds
+from ..context import RewriteContext, log
+from ..fx_utils import fake_value, global_shape, source_line
 from .fake_emit import FakeEmitter
 
 _CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
@@ -45,8 +48,12 @@ _DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1
 _RESHAPES = {"view", "reshape", "flatten"}
 
 
-def open_patch_convs(gm: fx.GraphModule, ctx: RewriteContext, feeds: Set[fx.Node]) -> int:
-    """Open every patch convolution in ``feeds`` (nodes reaching q/k/v); return how many."""
+def open_patch_convs(gm: fx.GraphModule, ctx: RewriteContext) -> int:
+    """Open every patch convolution that feeds attention's q/k/v when the sequence will be sharded
+    where it arises (static S); return how many."""
+    if not needs_origins(ctx) or ctx.seq_sym is not None:
+        return 0
+    feeds = qkv_feeds(gm, ctx)
     count = 0
     for node in list(gm.graph.nodes):
         if node in feeds and _is_patch_conv(node, ctx.seq_len):

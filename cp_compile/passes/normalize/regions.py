@@ -10,7 +10,7 @@ so attention, masks, losses and fallbacks inside it are found, rewritten and rec
 level, and marks each copied node with its :class:`Region`::
 
     before:  h = tag_activation_checkpoint(wrap_body_0, x, w)[0]        wrap_body_0: q = x @ w; sdpa(q, ..)
-    after:   q = x @ w;  a = sdpa(q, ..);  h = a        (node.meta["cp_region"] = Region(1, "checkpoint", ..))
+    after:   q = x @ w;  a = sdpa(q, ..);  h = a        (facts(node).region = Region(1, "checkpoint", ..))
 
 The rewrite stamps every node it emits for a marked node with the same region
 (:func:`stamp_region`). :func:`checkpoint_regions` (the last pass) then tells AOTAutograd's
@@ -39,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ... import graph_ops
 from ..context import log, source_line
+from ..node_facts import facts, set_facts
 from ..finalize.region_outline import communicating_op, outline_selective
 
 _HOP = torch.ops.higher_order
@@ -73,7 +74,8 @@ class Region:
 
 
 def region_of(node: fx.Node) -> Optional[Region]:
-    return node.meta.get("cp_region")
+    """The region ``node`` was copied out of (or emitted for), if any (:mod:`..node_facts`)."""
+    return facts(node).region
 
 
 def inline_regions(gm: fx.GraphModule) -> List[Region]:
@@ -134,7 +136,7 @@ def _inline(gm: fx.GraphModule, hop: fx.Node, region: Region) -> None:
                 env[node] = gm.graph.get_attr(_adopt(gm, body, node.target))
             else:
                 env[node] = gm.graph.node_copy(node, lambda a: env[a])
-            env[node].meta["cp_region"] = region
+            set_facts(env[node], region=region)
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     for user in list(hop.users):
         user.replace_all_uses_with(outputs[user.args[1]])
@@ -176,7 +178,8 @@ class stamp_region:
             return
         node = self.last.next
         while node is not self.graph._root:
-            node.meta.setdefault("cp_region", self.region)
+            if facts(node).region is None:
+                set_facts(node, region=self.region)
             node = node.next
 
 

@@ -20,9 +20,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ... import graph_ops
-from ..context import CPRewriteError, RewriteContext, fake_value, global_shape, log, source_line
+from ..context import CPRewriteError, RewriteContext, log
+from ..fx_utils import (  # noqa: F401 (erase_unused, mutates, drop_empty_vmap_regions: re-exported for the rules)
+    drop_empty_vmap_regions, erase_unused, fake_value, global_shape, mutates, source_line)
 from .placements import GLOBAL, Layout, Local, Sharded
-from ..op_vocab import writes_in_place
 from .seqindex import SeqIndex
 
 
@@ -161,7 +162,7 @@ class Emitter:
         """The whole value of sequence input ``x`` that every rank was passed (``inputs="full"``) and that
         needs no gradient (so it skips no gradient sync), as a node of the new graph; else None."""
         val = x.meta.get("example_value")
-        if x.op != "placeholder" or self.ctx.inputs != "full" or not isinstance(val, torch.Tensor) \
+        if x.op != "placeholder" or self.ctx.options.inputs != "full" or not isinstance(val, torch.Tensor) \
                 or val.requires_grad:
             return None
         return next(n for n in self.graph.nodes if n.op == "placeholder" and n.target == x.target)
@@ -184,57 +185,6 @@ class Emitter:
         self._memo.pop((dest, lay.dim, lay.inner), None)
         self.env[dest] = self.to_sharded(dest, lay.dim, lay.inner)
         return new, GLOBAL
-
-
-def mutates(node: fx.Node) -> bool:
-    """In-place methods/functions (``x.add_``, ``torch.relu_``) and other impure calls (``operator.and_`` is pure)."""
-    return writes_in_place(node) or node.is_impure()  # is_impure: False for every call_method
-
-
-def erase_unused(graph: fx.Graph, nodes: Any) -> None:
-    """Erase each of ``nodes`` once nothing reads it, then its inputs alike: only pure ops
-    (:func:`mutates` is False) go, so nothing with an effect is dropped. A call Dynamo traced as
-    returning nothing is kept too: it is called for its effect (``_vmap_increment_nesting`` of an
-    inlined ``torch.vmap``, which FX does not list as side-effecting)."""
-    todo, erased = [n for n in nodes if isinstance(n, fx.Node)], set()
-    while todo:
-        node = todo.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method") or mutates(node) \
-                or _returns_nothing(node):
-            continue
-        erased.add(node)
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        todo.extend(inputs)
-
-
-FUNCTORCH_BOOKKEEPING = ("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")
-
-
-def _returns_nothing(node: fx.Node) -> bool:
-    """Whether ``node`` is called for an effect: Dynamo traced it with no value (``example_value=None``),
-    or it is one of functorch's level bookkeeping calls of an inlined vmap, which carry no meta
-    (:func:`drop_empty_vmap_regions` removes those around a region left empty)."""
-    if ("example_value" in node.meta or "val" in node.meta) and fake_value(node) is None:
-        return True
-    return str(getattr(node.target, "__module__", "")).startswith("torch._functorch") \
-        and getattr(node.target, "__name__", "") in FUNCTORCH_BOOKKEEPING
-
-
-def drop_empty_vmap_regions(graph: fx.Graph) -> None:
-    """Erase the bookkeeping of a vmap region whose body is gone (create_block_mask's vmapped
-    mask_mod once the ring replaced the BlockMask): ``lazy_load_decompositions();
-    _vmap_increment_nesting(..); _vmap_decrement_nesting()`` with nothing in between."""
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    names = [getattr(n.target, "__name__", "") for n in nodes]
-    for i, name in enumerate(names[:-1]):
-        if name == "_vmap_increment_nesting" and names[i + 1] == "_vmap_decrement_nesting" \
-                and nodes[i + 1].next is not None and nodes[i].next is nodes[i + 1]:
-            dead = [nodes[i + 1], nodes[i]] + ([nodes[i - 1]] if i and names[i - 1] == "lazy_load_decompositions"
-                                               and nodes[i - 1].next is nodes[i] else [])
-            for n in dead:
-                if not n.users:
-                    graph.erase_node(n)
 
 
 def _floating(node: fx.Node) -> bool:

@@ -1,8 +1,8 @@
-"""Pass 3: sequence-layout propagation and the rewrite it drives, in one walk.
+"""Sequence-layout propagation and the rewrite it drives, in one walk.
 
-Before: a Dynamo graph on full sequences (``ctx`` filled by find_attention and
-seq_inputs). After: a graph that every rank of the CP group runs on its share of
-the sequence:
+Before: a Dynamo graph on full sequences (``ctx`` filled by the analyses: find_attention,
+seq_inputs, seq_origins). After: a new GraphModule that every rank of the CP group runs on its
+share of the sequence (the old graph is left as it was):
 
     input_ids (B, S) ─ index_select(positions) ─> (B, S/N) ── ... ── ring_attention ── ...
     loss = ce_sum_local ─ all_reduce ─ / all_reduce(valid count)          (exact global mean)
@@ -21,7 +21,7 @@ inputs are the new values; the emitter they use is :mod:`.emitter`.
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -29,8 +29,9 @@ from torch._prims_common import compute_elementwise_output_logical_to_physical_p
 
 from ... import graph_ops
 from ..context import CPRewriteError, RewriteContext, global_shape, log, source_line
-from .doc_table import documents_first, emit_table
-from .emitter import Emitter, drop_empty_vmap_regions, erase_unused
+from .doc_table import emit_table
+from .emitter import Emitter
+from ..fx_utils import drop_empty_vmap_regions, erase_unused
 from ..analyze.find_attention import is_sdpa
 from .rules.vmap import DECREMENT, INCREMENT
 from .placements import GLOBAL, Global, Sharded
@@ -61,25 +62,14 @@ def _finish_inputs(em: Emitter) -> None:
     are emitted first: autograd runs later-created nodes first, so the per-matrix
     all-reduces fire as their gradients appear and the buckets at the very end.
     """
-    ctx, synced, bucket = em.ctx, [], []
-    local = ctx.inputs == "local"
+    ctx = em.ctx
+    local = ctx.options.inputs == "local"
     if local:  # the traced length is this rank's c: the whole sequence is N * c (wherever the graph reads it)
         places = em.seq_placeholders()
         whole = em.call(operator.mul, em.env[places[0]], ctx.world)
         for place in places:
             em.env[place] = whole
-    for node in em.inputs:
-        example = em.examples.get(node.name)
-        if not (isinstance(example, torch.Tensor) and example.requires_grad):
-            continue
-        if local and node.name in ctx.shard_inputs:
-            continue  # a local shard's gradient is already complete on its rank
-        refuse_unknown(node, example, ctx)
-        is_param = is_parameter_like(node, example)
-        if is_param and ctx.grad_sync == "allreduce" and example.dim() <= 1:
-            bucket.append(node)
-        elif not is_param or ctx.grad_sync == "allreduce":
-            synced.append(node)
+    bucket, synced = _gradient_syncs(em, local)
     for chunk in _chunks(bucket, lambda n: n.meta["example_value"].numel() * 4):
         outs = em.call(graph_ops.grad_all_reduce_bucket, [em.env[n] for n in chunk], ctx.group.name)
         for i, n in enumerate(chunk):
@@ -92,6 +82,25 @@ def _finish_inputs(em: Emitter) -> None:
             em.env[n] = em.env[n] if local else em.to_sharded(n, dim)
             em.layouts[n] = Sharded(dim)
     em.inputs = []
+
+
+def _gradient_syncs(em: Emitter, local: bool) -> Tuple[List[fx.Node], List[fx.Node]]:
+    """(1-D parameters summed in buckets, other inputs summed one by one) among the inputs that
+    need a gradient (see :func:`_finish_inputs`)."""
+    ctx, synced, bucket = em.ctx, [], []
+    for node in em.inputs:
+        example = em.examples.get(node.name)
+        if not (isinstance(example, torch.Tensor) and example.requires_grad):
+            continue
+        if local and node.name in ctx.shard_inputs:
+            continue  # a local shard's gradient is already complete on its rank
+        refuse_unknown(node, example, ctx)
+        is_param = is_parameter_like(node, example)
+        if is_param and ctx.options.grad_sync == "allreduce" and example.dim() <= 1:
+            bucket.append(node)
+        elif not is_param or ctx.options.grad_sync == "allreduce":
+            synced.append(node)
+    return bucket, synced
 
 
 def _chunks(items: List[fx.Node], nbytes) -> List[List[fx.Node]]:
@@ -112,7 +121,7 @@ def _output(em: Emitter, node: fx.Node) -> None:
         if not isinstance(old, fx.Node):
             return old
         lay = em.layout(old)
-        if isinstance(lay, Sharded) and ctx.outputs == "local":
+        if isinstance(lay, Sharded) and ctx.options.outputs == "local":
             return em.env[old]
         if isinstance(lay, Sharded):
             shape, ex = global_shape(old), old.meta.get("example_value")
@@ -126,7 +135,7 @@ def _output(em: Emitter, node: fx.Node) -> None:
         return val
 
     outs = node.args[0]
-    if ctx.outputs == "local" and isinstance(outs, (tuple, list)):  # Dynamo's flat output tuple
+    if ctx.options.outputs == "local" and isinstance(outs, (tuple, list)):  # Dynamo's flat output tuple
         ctx.local_outputs = [i for i, o in enumerate(outs) if isinstance(em.layout(o), Sharded)]
     em.graph.output(_map_outputs(outs, finish))
 
@@ -234,7 +243,7 @@ def _emit(em: Emitter, node: fx.Node) -> None:
 
 def rewrite_graph(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[str, torch.Tensor]) -> fx.GraphModule:
     em = Emitter(gm, ctx, examples)
-    ids = documents_first(gm, ctx)  # load_balance="documents": the ids' construction, moved to the top
+    ids = ctx.document_ids  # load_balance="documents": the ids, moved to the top (normalize/documents_first.py)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             _placeholder(em, node)

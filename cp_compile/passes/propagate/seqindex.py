@@ -52,7 +52,7 @@ class SeqIndex:
     def S_pad(self) -> Value:
         if self.ctx.seq_sym is None:
             return self.ctx.padded_len
-        m = split_multiple(self.ctx.world, self.ctx.load_balance)
+        m = split_multiple(self.ctx.world, self.ctx.options.load_balance)
         return self.op(operator.mul, self.op(operator.floordiv, self.op(operator.add, self.S(), m - 1), m), m)
 
     def c(self) -> Value:
@@ -80,14 +80,16 @@ class SeqIndex:
             if self.table is not None:
                 self._memo[key] = self.em.call(operator.getitem, self.table, rank)  # (c,) this batch's row
             elif ctx.seq_sym is None:
-                self._memo[key] = self.em.const(f"_cp_pos{rank}", rank_positions(ctx.padded_len, n, rank, ctx.load_balance))
-            elif ctx.load_balance == "striped":
+                positions = rank_positions(ctx.padded_len, n, rank, ctx.options.load_balance)
+                self._memo[key] = self.em.const(f"_cp_pos{rank}", positions)
+            elif ctx.options.load_balance == "striped":
                 self._memo[key] = self._arange(rank, self.S_pad(), n)
             else:
-                blk = self.c() if ctx.load_balance == "contiguous" else self.op(operator.floordiv, self.S_pad(), 2 * n)
+                contiguous = ctx.options.load_balance == "contiguous"
+                blk = self.c() if contiguous else self.op(operator.floordiv, self.S_pad(), 2 * n)
                 at = lambda i: self.op(operator.mul, i, blk)  # noqa: E731
                 first = self._arange(at(rank), at(rank + 1))
-                if ctx.load_balance == "contiguous":
+                if ctx.options.load_balance == "contiguous":
                     self._memo[key] = first
                 else:
                     second = self._arange(at(2 * n - 1 - rank), at(2 * n - rank))

@@ -62,7 +62,7 @@ def _as_seq_sharded(em, old: fx.Node, node: fx.Node) -> Any:
             raise CPRewriteError(f"cp_compile: attention input {old.name} at {source_line(node)} is sharded along "
                                  f"dim {lay.dim}, expected (B, H, S, D) with the sequence at dim 2.")
         return em.env[old]
-    if em.ctx.inputs == "local":  # a whole value here has the local length: nothing to index it by
+    if em.ctx.options.inputs == "local":  # a whole value here has the local length: nothing to index it by
         raise CPRewriteError(
             f"cp_compile: attention input {old.name} at {source_line(node)} does not come from a sequence input, "
             "and with inputs='local' the graph cannot tell which of its rows are this rank's. Fix: "
@@ -102,7 +102,8 @@ def sdpa(em, node: fx.Node):
     qkv, dv = _equal_head_dims(em, *(_as_seq_sharded(em, x, node) for x in (q, k, v)), global_shape(q)[-1],
                                global_shape(v)[-1])
     out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, *qkv, causal, float(scale),
-                  ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **masks)
+                  ctx.group.name, ctx.options.load_balance, ctx.options.rotate, ctx.options.kernel,
+                  em.index.valid_len(), **masks)
     out = em.call(operator.getitem, out, 0)  # (B, H, c, max(D_qk, D_v))
     return (out if dv is None else em.call(operator.getitem, out, (Ellipsis, slice(None, dv)))), Sharded(2)
 
@@ -126,7 +127,7 @@ def whole_rule(em: Any, node: fx.Node):
     lay = em.layout(src)
     if not isinstance(lay, Sharded):
         return em.env[src], GLOBAL
-    if em.ctx.inputs == "full" and src.op == "placeholder":  # every rank was passed the whole input
+    if em.ctx.options.inputs == "full" and src.op == "placeholder":  # every rank was passed the whole input
         new = next(n for n in em.graph.nodes if n.op == "placeholder" and n.target == src.target)
         return new, GLOBAL
     log.info("cp_compile: the attention mask at %s reads the input %s whole: all-gathered (%s integers)",

@@ -56,7 +56,7 @@ def _whole(em, buf: fx.Node, node: fx.Node) -> fx.Node:
     """A mod buffer as every rank needs it: whole (gathered if the rewrite sharded it)."""
     lay = em.layout(buf)
     if not isinstance(lay, Sharded):
-        if em.ctx.inputs == "local" and buf.op == "placeholder" and buf.name in em.ctx.shard_inputs:
+        if em.ctx.options.inputs == "local" and buf.op == "placeholder" and buf.name in em.ctx.shard_inputs:
             raise CPRewriteError(
                 f"cp_compile: flex_attention at {source_line(node)} reads {buf.name} in a mod, a sequence input "
                 "passed as this rank's shard (inputs='local'); mods index it by global position. Fix: pass it "
@@ -101,7 +101,8 @@ def flex(em, node: fx.Node) -> Tuple[Any, Any]:
         extra["positions"] = em.index.table
     ring = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
                    _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), False, spec.scale,
-                   ctx.group.name, ctx.load_balance, ctx.rotate, ctx.kernel, em.index.valid_len(), **extra)
+                   ctx.group.name, ctx.options.load_balance, ctx.options.rotate, ctx.options.kernel,
+                   em.index.valid_len(), **extra)
     _drop_subgraph_reads(em, node)
     return em.call(flex_outputs, ring, spec.lse_log2), (Sharded(2), Sharded(2), None)
 

@@ -1,4 +1,4 @@
-"""Move size-1 dim insertions below a mask's conjunction, so each term is classified on its own.
+"""Move size-1 dim insertions below an attention mask's conjunction, so each term is classified on its own.
 
 A mask is often built at (B, S, S) and given a head dim only at the end::
 
@@ -23,8 +23,34 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ...context import fake_value
-from .classify import _AND_TARGETS  # the conjunctions classify splits: only those gain from this
+from ..context import RewriteContext
+from ..fx_utils import erase_unused, fake_value
+from ..analyze.find_attention import is_sdpa, sdpa_arg
+from ..analyze.find_flex import is_flex
+from ..analyze.masks.classify import _AND_TARGETS  # the conjunctions classify splits: only those gain from this
+
+
+def distribute_mask_views(gm: fx.GraphModule, ctx: RewriteContext) -> None:
+    """Give every SDPA whose ``attn_mask`` inserts dims into a conjunction the mask with the
+    insertions moved onto its terms (see the module docstring); the view of the whole
+    conjunction is erased once no attention reads it. Masks :mod:`.find_attention` refuses
+    (with ``is_causal=True``, requiring grad) are left for it to refuse."""
+    memo: Dict[fx.Node, fx.Node] = {}  # layers share one mask: moved once
+    for node in list(gm.graph.nodes):
+        if not is_sdpa(node) or is_flex(node):
+            continue
+        mask = sdpa_arg(node, 3, "attn_mask")
+        if not isinstance(mask, fx.Node) or sdpa_arg(node, 5, "is_causal", False) or _requires_grad(mask):
+            continue
+        moved = distribute_views(mask, memo)  # (a & b)[:, None] -> a' & b': each term on its own
+        if moved is not mask:
+            node.replace_input_with(mask, moved)
+            erase_unused(gm.graph, [mask])  # the view of the whole conjunction, once no attention reads it
+
+
+def _requires_grad(mask: fx.Node) -> bool:
+    val = mask.meta.get("example_value")
+    return isinstance(val, torch.Tensor) and val.requires_grad
 
 
 def distribute_views(mask: fx.Node, memo: Dict[fx.Node, fx.Node]) -> fx.Node:
