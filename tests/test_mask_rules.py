@@ -96,11 +96,13 @@ def _kind(form: Callable[[], torch.Tensor], q, k, v):
     from cp_compile.group import CPGroup
     from cp_compile.passes.context import RewriteContext
     from cp_compile.passes.analyze.find_attention import find_attention
+    from cp_compile.passes.normalize.mask_views import distribute_mask_views
 
     graphs: List[torch.fx.GraphModule] = []
     torch._dynamo.reset()
     torch.compile(Attn(form), backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(q, k, v)
     ctx = RewriteContext(group=CPGroup(pg=None, rank=0, size=2))
+    distribute_mask_views(graphs[0], ctx)  # the pass before find_attention (passes/pipeline.py)
     find_attention(graphs[0], ctx)
     (node,) = ctx.attention
     return ctx.masks[node], node

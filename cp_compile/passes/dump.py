@@ -5,9 +5,9 @@ pipeline (:mod:`.pipeline`) rewrites is written, pass by pass, as Python code fo
 nodes as a table (in comments)::
 
     DIR/[rank<r>/]graph_<k>/00_input.py                       the graph as Dynamo handed it over
-                           01_normalize_refuse_nested.py      after the first pass
+                           01_normalize_refuse_nested_tensors.py    after the first pass
                            ...
-                           19_finalize_ring_timeout.py        after the last: the rewritten graph
+                           18_finalize_set_ring_timeout.py          after the last: the rewritten graph
 
 ``<k>`` counts the graphs this process has rewritten; ``rank<r>/`` is there when a process group
 exists (each rank writes its own graph). Passes that did not run (after ``find_unsplit_attention``

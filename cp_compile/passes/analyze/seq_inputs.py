@@ -1,4 +1,4 @@
-"""Pass 2: decide which graph inputs carry the sequence (and along which dim).
+"""Decide which graph inputs carry the sequence (and along which dim).
 
 Before: a graph with ``ctx.attention`` found. After: ``ctx.shard_inputs`` maps
 placeholder names to their sequence dim. ``seq_inputs="auto"`` picks the user

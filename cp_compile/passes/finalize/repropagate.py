@@ -1,4 +1,4 @@
-"""Last pass: give the rewritten graph's nodes their per-rank fake values.
+"""Give the rewritten graph's nodes their per-rank fake values.
 
 Before: new nodes carry Dynamo's ``example_value`` of the node they were copied
 from, i.e. *global* shapes. After: ``meta["val"]`` and ``meta["example_value"]``

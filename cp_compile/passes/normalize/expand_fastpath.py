@@ -1,4 +1,4 @@
-"""Pass 0a: open the eval-mode fast paths of the ``nn.Transformer*`` layers into plain ops.
+"""Open the eval-mode fast paths of the ``nn.Transformer*`` layers into plain ops.
 
 In eval mode with autograd off (``torch.no_grad()`` / ``torch.inference_mode()``),
 ``nn.TransformerEncoderLayer(batch_first=True)`` skips its Python code for one fused op,

@@ -1,4 +1,4 @@
-"""Pass 0: open ``F.multi_head_attention_forward`` into plain ops ending in SDPA.
+"""Open ``F.multi_head_attention_forward`` into plain ops ending in SDPA.
 
 Dynamo keeps ``F.multi_head_attention_forward`` (what ``nn.MultiheadAttention`` and the
 ``nn.Transformer*`` layers call) as one opaque node, so without this pass a model built

@@ -1,4 +1,4 @@
-"""Pass 0b: turn attention written by hand into ``scaled_dot_product_attention``.
+"""Turn attention written by hand into ``scaled_dot_product_attention``.
 
 Older model code and much research code writes attention out, so the graph has no SDPA
 and, before this pass, got no context parallelism. :mod:`.attention_match` recognises the

@@ -5,7 +5,7 @@ Dynamo puts an activation-checkpointed region (``torch.utils.checkpoint`` with e
 with a ``context_fn``) into ``tag_activation_checkpoint(body, *operands)``, and a
 ``torch.compiler.nested_compile_region`` into ``invoke_subgraph(body, name, *operands)``.
 The body is a graph of its own, which the layout propagation would have to enter with every
-rule. Instead, :func:`inline_regions` (the first pass) copies each body into the calling graph,
+rule. Instead, :func:`inline_regions` (a pass of the pipeline, early) copies each body into the calling graph,
 so attention, masks, losses and fallbacks inside it are found, rewritten and recorded as at top
 level, and marks each copied node with its :class:`Region`::
 
@@ -13,17 +13,18 @@ level, and marks each copied node with its :class:`Region`::
     after:   q = x @ w;  a = sdpa(q, ..);  h = a        (facts(node).region = Region(1, "checkpoint", ..))
 
 The rewrite stamps every node it emits for a marked node with the same region
-(:func:`stamp_region`). :func:`checkpoint_regions` (the last pass) then tells AOTAutograd's
-partitioner what to recompute, the way ``tag_activation_checkpoint`` itself does when it is
-traced: every node of a checkpointed region gets ``meta["recompute"] = PREFER_RECOMPUTE`` and the
-region's ``ac_graph_id`` (AOTAutograd copies both onto the aten nodes each node traces to),
-except the nodes that communicate (the ring op, gathers, all-reduces), which are ``MUST_SAVE``:
-recomputing the region in the backward never runs the ring forward again nor re-sends K/V; the
-ring backward reads the saved output and logsumexp, as torchtitan's op-level SAC policy saves
-flash attention's. A selective-AC policy (``context_fn``) is applied per aten op by torch's own
-dispatch mode, so such a region is put back into ``tag_activation_checkpoint`` with the policy
-wrapped to save the communicating ops (:mod:`.region_outline`). A nested compile region is
-only a compile-time hint: inlined, it is compiled with the rest.
+(:func:`stamp_region`). :func:`checkpoint_regions` (run by the backend at the hand-off, after
+the pipeline) then tells AOTAutograd's partitioner what to recompute, the way
+``tag_activation_checkpoint`` itself does when it is traced: every node of a checkpointed region
+gets ``meta["recompute"] = PREFER_RECOMPUTE`` and the region's ``ac_graph_id`` (AOTAutograd
+copies both onto the aten nodes each node traces to), except the nodes that communicate (the
+ring op, gathers, all-reduces), which are ``MUST_SAVE``: recomputing the region in the backward
+never runs the ring forward again nor re-sends K/V; the ring backward reads the saved output and
+logsumexp, as torchtitan's op-level SAC policy saves flash attention's. A selective-AC policy
+(``context_fn``) is applied per aten op by torch's own dispatch mode, so such a region is put
+back into ``tag_activation_checkpoint`` with the policy wrapped to save the communicating ops
+(:mod:`.region_outline`). A nested compile region is only a compile-time hint: inlined, it is
+compiled with the rest.
 """
 
 from __future__ import annotations
