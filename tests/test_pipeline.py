@@ -31,14 +31,16 @@ S, D = 16, 8
 class Attention(nn.Module):
     """One causal self-attention layer: (B, S, D) -> (B, S, D)."""
 
-    def __init__(self) -> None:
+    def __init__(self, s: int = S, d: int = D) -> None:
         super().__init__()
-        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.s, self.d = s, d
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (t.view(x.shape[0], S, 2, D // 2).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        b, s, d = x.shape[0], self.s, self.d
+        q, k, v = (t.view(b, s, 2, d // 2).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, 2, S, D/2)
-        return self.out(y.transpose(1, 2).reshape(x.shape[0], S, D))
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
 
 
 class NoAttention(nn.Module):
@@ -131,3 +133,15 @@ def test_backend_options_build_the_rewrite_options() -> None:
     assert isinstance(rewrite, RewriteOptions)
     assert (rewrite.load_balance, rewrite.strict, rewrite.timeout, rewrite.seq_inputs) == ("striped", True, 5.0, names)
     assert rewrite.seq_inputs is not names  # the rewrite's own copy
+
+
+def test_the_trial_rewrite_settles_a_hidden_size_equal_to_s(tmp_path, monkeypatch) -> None:
+    """x (B, S, S): both dims have attention's length; the strict trial rewrites (on a copy of the
+    options) pick the one that reaches attention's sequence axis, and leave the graph as it was."""
+    monkeypatch.setenv(ENV, str(tmp_path))
+    report = explain_model(Attention(s=8, d=8), (torch.randn(2, 8, 8),), world_size=2)
+    assert report.shard_inputs == {"x": 1} and not report.fallbacks
+    assert not report.ctx.options.strict  # the trials' strict=True was theirs alone
+    graph_dir, files = _dumped(tmp_path)
+    before, after = (_code(os.path.join(graph_dir, f)) for f in files if f[:2] in ("12", "13"))
+    assert files[13].startswith("13_analyze_resolve_candidates") and before == after
