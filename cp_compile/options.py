@@ -140,9 +140,10 @@ class BackendOptions:
     check_batch: bool = True
     """Under ``inputs="full"``: each call of a rewritten graph first checks, with one all-gather of
     a few int64 over the CP group, that every rank was passed the same per-token inputs (a
-    fingerprint of the bytes of each input with a dim of size S: token ids, labels, masks), and raises ``BatchMismatchError`` on every rank if not
-    (a sampler over all ranks instead of the DP ranks). ``False``: no check and no collective.
-    Never runs with ``inputs="local"`` (each rank's shard differs) or a CP group of size 1."""
+    fingerprint of the bytes of each input with a dim of size S: token ids, labels, masks), and
+    raises ``BatchMismatchError`` on every rank if not (a sampler over all ranks instead of the DP
+    ranks). ``False``: no check and no collective. Never runs with ``inputs="local"`` (each rank's
+    shard differs) or a CP group of size 1."""
 
     def __post_init__(self) -> None:
         check_literals(self)

@@ -293,7 +293,8 @@ def _rows_after(before: fx.GraphModule, after: fx.GraphModule, names: Dict[str, 
 
 def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, before: fx.GraphModule,
                   after: fx.GraphModule, input_names: Dict[str, str],
-                  aot_forward: Optional[fx.GraphModule] = None, aot_backward: Optional[fx.GraphModule] = None) -> Report:
+                  aot_forward: Optional[fx.GraphModule] = None,
+                  aot_backward: Optional[fx.GraphModule] = None) -> Report:
     """The :class:`Report` of one rewrite; every per-rank figure is read off ``after``."""
     attention = [(n.name, source_line(n)) for n in ctx.attention]
     before_rows = _rows_before(before, input_names)

@@ -33,7 +33,8 @@ COMMUNICATING_NAMESPACES = ("cp_compile", "_c10d_functional", "c10d_functional")
 def outline_selective(gm: fx.GraphModule, region: Any) -> bool:
     """Move ``region``'s nodes of ``gm`` into a ``tag_activation_checkpoint`` body; False when it
     cannot (the region is not convex, or holds a module call)."""
-    nodes = [n for n in gm.graph.nodes if n.meta.get("cp_region") is region and n.op in ("call_function", "call_method")]
+    nodes = [n for n in gm.graph.nodes
+             if n.meta.get("cp_region") is region and n.op in ("call_function", "call_method")]
     inside = set(nodes)
     moved = _readers_between(nodes, inside)
     if not nodes or moved is None or any(n.meta.get("cp_region") is region and n.op == "call_module"

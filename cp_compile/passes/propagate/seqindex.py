@@ -80,7 +80,8 @@ class SeqIndex:
             if self.table is not None:
                 self._memo[key] = self.em.call(operator.getitem, self.table, rank)  # (c,) this batch's row
             elif ctx.seq_sym is None:
-                self._memo[key] = self.em.const(f"_cp_pos{rank}", rank_positions(ctx.padded_len, n, rank, ctx.load_balance))
+                self._memo[key] = self.em.const(f"_cp_pos{rank}",
+                                                rank_positions(ctx.padded_len, n, rank, ctx.load_balance))
             elif ctx.load_balance == "striped":
                 self._memo[key] = self._arange(rank, self.S_pad(), n)
             else:
