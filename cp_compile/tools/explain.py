@@ -112,13 +112,28 @@ def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_s
     Raises :class:`ExplainError` when tracing fails and CPRewriteError when the
     rewrite refuses the model.
     """
+    _check_group(world_size, load_balance, rank)
+    ctx = RewriteContext(group=CPGroup(pg=None, rank=rank, size=world_size), load_balance=load_balance, **opts)
+    dynamic = dynamic or opts.get("inputs") == "local"
+    state = _capture(model, example_inputs, example_kwargs, ctx, aot, dynamic)
+    return _build_report(world_size, load_balance, ctx, **state)
+
+
+def _check_group(world_size: int, load_balance: str, rank: int) -> None:
+    """The synthetic CP group's size, layout and shown rank, with errors that name the fix."""
     if not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"cp_compile: world_size must be an int >= 2 (a CP group of 1 is not rewritten), "
                          f"got {world_size!r}.")
     check_choice("load_balance", load_balance, LOAD_BALANCES)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"cp_compile: rank must be in [0, {world_size}), got {rank!r}.")
-    ctx = RewriteContext(group=CPGroup(pg=None, rank=rank, size=world_size), load_balance=load_balance, **opts)
+
+
+def _capture(model: torch.nn.Module, example_inputs: Sequence[Any], example_kwargs: Optional[Dict[str, Any]],
+             ctx: RewriteContext, aot: bool, dynamic: bool) -> Dict[str, Any]:
+    """Trace the model once with Dynamo (one whole graph) and run the passes on it inside the capture
+    callback: the keywords of :func:`_build_report` (before, after, input_names, and the AOT graphs
+    under ``aot``). A pass's error is re-raised here, outside Dynamo."""
     state: Dict[str, Any] = {}
 
     def capture(gm: fx.GraphModule, ex: List[Any]) -> Callable:
@@ -134,7 +149,6 @@ def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_s
 
     torch._dynamo.reset()
     try:
-        dynamic = dynamic or opts.get("inputs") == "local"
         compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=dynamic)
         compiled(*example_inputs, **(example_kwargs or {}))
     except Exception as e:
@@ -150,7 +164,7 @@ def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_s
         raise state["error"]
     if "before" not in state:
         raise ExplainError("Dynamo produced no graph for this model (nothing to compile?).")
-    return _build_report(world_size, load_balance, ctx, **state)
+    return state
 
 
 def _aot_graphs(gm: fx.GraphModule, ex: List[Any]) -> Dict[str, fx.GraphModule]:

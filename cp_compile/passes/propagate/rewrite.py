@@ -61,13 +61,23 @@ def _finish_inputs(em: Emitter) -> None:
     are emitted first: autograd runs later-created nodes first, so the per-matrix
     all-reduces fire as their gradients appear and the buckets at the very end.
     """
-    ctx, synced, bucket = em.ctx, [], []
+    ctx = em.ctx
     local = ctx.inputs == "local"
     if local:  # the traced length is this rank's c: the whole sequence is N * c (wherever the graph reads it)
         places = em.seq_placeholders()
         whole = em.call(operator.mul, em.env[places[0]], ctx.world)
         for place in places:
             em.env[place] = whole
+    bucket, synced = _grad_synced_inputs(em, local)
+    _emit_grad_sync(em, bucket, synced)
+    _shard_inputs(em, local)
+    em.inputs = []
+
+
+def _grad_synced_inputs(em: Emitter, local: bool) -> tuple[List[fx.Node], List[fx.Node]]:
+    """The inputs whose gradient the graph sums over the group: (1-D parameters, bucketed; the others),
+    each in input order (``local``: a sequence input is this rank's shard, its gradient already whole)."""
+    ctx, synced, bucket = em.ctx, [], []
     for node in em.inputs:
         example = em.examples.get(node.name)
         if not (isinstance(example, torch.Tensor) and example.requires_grad):
@@ -80,18 +90,30 @@ def _finish_inputs(em: Emitter) -> None:
             bucket.append(node)
         elif not is_param or ctx.grad_sync == "allreduce":
             synced.append(node)
+    return bucket, synced
+
+
+def _emit_grad_sync(em: Emitter, bucket: List[fx.Node], synced: List[fx.Node]) -> None:
+    """``grad_all_reduce`` of each input of ``synced``, after one flat all-reduce per chunk of ``bucket``
+    (emitted first, so they run last in the backward)."""
+    ctx = em.ctx
     for chunk in _chunks(bucket, lambda n: n.meta["example_value"].numel() * 4):
         outs = em.call(graph_ops.grad_all_reduce_bucket, [em.env[n] for n in chunk], ctx.group.name)
         for i, n in enumerate(chunk):
             em.env[n] = em.call(operator.getitem, outs, i)
     for n in synced:
         em.env[n] = em.call(graph_ops.grad_all_reduce, em.env[n], ctx.group.name)
+
+
+def _shard_inputs(em: Emitter, local: bool) -> None:
+    """Sequence inputs become Sharded: this rank's positions taken from a full input (``local``: it
+    already is this rank's shard)."""
+    ctx = em.ctx
     for n in em.inputs:
         if n.name in ctx.shard_inputs:
             dim = ctx.shard_inputs[n.name]
             em.env[n] = em.env[n] if local else em.to_sharded(n, dim)
             em.layouts[n] = Sharded(dim)
-    em.inputs = []
 
 
 def _chunks(items: List[fx.Node], nbytes) -> List[List[fx.Node]]:
