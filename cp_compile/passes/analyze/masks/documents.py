@@ -172,7 +172,7 @@ def _doc_eq(node: Any, ev, seq_len: int) -> Optional[tuple]:
     return _doc_eq_view(node, ev, seq_len)
 
 
-def _eq_lookups(node: fx.Node, ev, seq_len: int) -> Optional[tuple]:
+def _eq_lookups(node: fx.Node, ev: Callable[[Any], Any], seq_len: int) -> Optional[tuple]:
     """``X[.., pos_a] == X[.., pos_b]``: one ids tensor X read at two position dims (sharing the batch dim,
     if any, and no other dim), as (X, their joint encoding); else None."""
     a, b = (_lookup(x, ev, seq_len, c) for x, c in zip(node.args[:2], (_POS_A, _POS_B)))
@@ -189,7 +189,7 @@ def _eq_lookups(node: fx.Node, ev, seq_len: int) -> Optional[tuple]:
     return a[0], Affine(tuple(sorted(terms.items())), 0, tuple(sorted(sizes.items())))
 
 
-def _doc_eq_view(node: fx.Node, ev, seq_len: int) -> Optional[tuple]:
+def _doc_eq_view(node: fx.Node, ev: Callable[[Any], Any], seq_len: int) -> Optional[tuple]:
     """An equality term seen through a mask-keeping method, a basic index or an unsqueeze: its
     encoding moved along with the dims; None for any other node."""
     if node.op == "call_method" and node.target in _KEEP_MASK:
