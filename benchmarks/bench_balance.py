@@ -202,7 +202,8 @@ def run_real(args) -> List[Dict[str, Any]]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--local-len", type=int, default=2048, help="tokens per rank c (S = c*N); even")
     p.add_argument("--worlds", type=common.int_list, default=[2, 4, 8], help="simulated ring sizes")
@@ -235,7 +236,8 @@ def main(argv=None) -> None:
         row["cost_model_speedup"] = ((costs["causal_s"] + (n - 1) * costs["full_s"])
                                      / (costs["causal_s"] + (n - 1) * step[row["layout"]]))
         common.log(f"N={row['world']} {row['layout']:10s}: makespan {row['makespan_s']:.3f} s, "
-                   f"x{row['speedup_vs_contiguous']:.2f} vs contiguous (pairs x{row['pair_speedup_vs_contiguous']:.2f})")
+                   f"x{row['speedup_vs_contiguous']:.2f} vs contiguous "
+                   f"(pairs x{row['pair_speedup_vs_contiguous']:.2f})")
     real = run_real(args)
     for r in real:
         common.log(f"real N={r['world']} {r['layout']:10s}: {r.get('seconds', r.get('error'))}")

@@ -160,7 +160,8 @@ def plot(summary: List[Dict[str, Any]], args) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--seq-lens", type=common.int_list, default=[65536, 131072], help="packed lengths S, e.g. 64k,128k")
     p.add_argument("--worlds", type=common.int_list, default=[4, 8], help="ring sizes N")

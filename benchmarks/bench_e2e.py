@@ -159,7 +159,8 @@ def rank_main(rank: int, world: int, mode: str, args) -> Dict[str, Any]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--layers", type=int, default=2)

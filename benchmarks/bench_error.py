@@ -69,9 +69,9 @@ def simulate_ring(kernel, q, k, v, dout, world: int) -> Dict[str, Any]:
         for t in range(world):
             src = source_rank(r, t, world)
             for sg in step_segments("zigzag", True, world, r, src, c):
-                o, l = kernel.forward(qs[r][:, :, sg.q], ks[src][:, :, sg.k], vs[src][:, :, sg.k],
+                o, lse = kernel.forward(qs[r][:, :, sg.q], ks[src][:, :, sg.k], vs[src][:, :, sg.k],
                                       causal=sg.causal, scale=scale)
-                merge_(acc_o[:, :, sg.q], acc_l[:, :, sg.q], o, l)
+                merge_(acc_o[:, :, sg.q], acc_l[:, :, sg.q], o, lse)
         outs.append(acc_o.to(q.dtype))
         lses.append(acc_l)
     dq = [torch.zeros(x.shape) for x in qs]
@@ -128,7 +128,8 @@ def triton_rows(args) -> Dict[str, Any]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--seq-len", type=int, default=2048, help="global S (divisible by 2N)")
     p.add_argument("--worlds", type=common.int_list, default=[1, 2, 4, 8])

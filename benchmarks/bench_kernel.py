@@ -1,6 +1,6 @@
 """Benchmark 5: the local CPU block kernel's GFLOP/s against torch.matmul on the same machine.
 
-    .venv/bin/python benchmarks/bench_kernel.py                      # defaults (~1 min; bf16 is slow without AVX512-BF16)
+    .venv/bin/python benchmarks/bench_kernel.py   # defaults (~1 min; bf16 is slow without AVX512-BF16)
     .venv/bin/python benchmarks/bench_kernel.py --lens 1024,2048,4096,8192 --threads 2 --repeats 7
 
 The kernel is the one the ring calls per block (``cp_compile.kernels.get_kernel("aten")``:
@@ -67,7 +67,8 @@ def kernel_rows(dtype_name: str, args) -> List[Dict[str, Any]]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--lens", type=common.int_list, default=[1024, 2048], help="block lengths L (default 1024,2048)")
     p.add_argument("--dtypes", default="float32,bfloat16")

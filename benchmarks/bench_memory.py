@@ -163,7 +163,8 @@ def longest_under_cap(rows: List[Dict[str, Any]], cap_mib: float) -> List[Dict[s
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--seq-lens", type=common.int_list, default=common.int_list("4k,8k,16k"),
                    help="block model sequence lengths (default 4k,8k,16k; add 32k for the issue's full range)")

@@ -170,7 +170,8 @@ def summarise_real(world: int, per_rank: List[Dict[str, List[float]]]) -> Dict[s
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--worlds", type=common.int_list, default=[2], help="ring sizes (4 puts 4 ranks on 2 cores)")
     p.add_argument("--sleep", type=float, default=0.2, help="stand-in kernel seconds per step T")

@@ -143,7 +143,8 @@ def combine(world: int, per_rank: List[List[Dict[str, Any]]], seq_len: int) -> L
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--worlds", type=common.int_list, default=[2])

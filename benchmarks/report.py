@@ -106,7 +106,8 @@ def check_e2e(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
     out = []
     if "step_cp_over_single" in q:
         ok = q["step_cp_over_single"] <= 1.05
-        why = "" if ok else (f"CP step {_f(by['cp compiled']['step_s'])} s vs single {_f(by['single compiled']['step_s'])} s")
+        why = "" if ok else (f"CP step {_f(by['cp compiled']['step_s'])} s "
+                             f"vs single {_f(by['single compiled']['step_s'])} s")
         out.append(("4. e2e step time", "2 ranks×1 thread / 1 process×2 threads ≤ 1.05",
                     f"{_f(q['step_cp_over_single'])}×", ok, why))
         ok = q["peak_cp_over_single"] <= 0.6
@@ -159,7 +160,8 @@ def check_compile(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
         bypass = x.get("ring_cp_aot_cache_bypass", 0)
         why = "" if ok else (f"CPU-seconds ratio {_f(x['ratio_cpu'])}× (wall includes 2 ranks compiling at once on "
                              f"2 shared cores, load average {r['machine'].get('load_avg_1min', '?')} at the end)"
-                             + (f"; ring_cp's graphs bypassed the AOTAutograd cache ({bypass:g}× over the ranks)" if bypass else ""))
+                             + (f"; ring_cp's graphs bypassed the AOTAutograd cache ({bypass:g}× over the ranks)"
+                                if bypass else ""))
         out.append((f"7. compile ({x['cache']} cache)", "ring_cp / inductor ≤ 1.3",
                     f"{_f(x['ratio_wall'])}× wall ({_f(x['ring_cp_compile_s'], 1)} s vs "
                     f"{_f(x['inductor_compile_s'], 1)} s)", ok, why))
@@ -225,7 +227,8 @@ def render(run: Optional[Rec] = None) -> str:
         head.append(["run_all.py at defaults", "≤ 20 min on 2 cores", f"{run['wall_seconds'] / 60:.1f} min",
                      _verdict(ok), "" if ok else f"per benchmark (latest records): {walls}; machine load average "
                      f"{run['machine'].get('load_avg_1min', '?')} at the end of the run"])
-    parts += ["## Targets", "", _table(["benchmark", "target", "measured", "verdict", "measured reason (misses)"], head), ""]
+    parts += ["## Targets", "",
+              _table(["benchmark", "target", "measured", "verdict", "measured reason (misses)"], head), ""]
     for name, title, fn in report_sections.SECTIONS:
         if name not in recs:
             parts += [f"## {title}", "", "not run", ""]

@@ -36,8 +36,9 @@ def memory(r: Rec) -> str:
     cap = [[c["model"], c["world"], f"{c['longest_seq_len']:,}", _f(c["mib_per_1k_tokens"], 2),
             _f(c["intercept_mib"], 0), _f(c["max_fit_residual_mib"], 1), f"{c['measured_up_to']:,}"] for c in r["cap"]]
     if cap:
-        text += (f"\n\nLongest S under a {r['cap'][0]['cap_mib']:.0f} MiB per-process RSS cap — **extrapolated** from a "
-                 "least-squares line through the measured peaks (not run under a hard limit):\n\n")
+        text += (f"\n\nLongest S under a {r['cap'][0]['cap_mib']:.0f} MiB per-process RSS cap — "
+                 "**extrapolated** from a least-squares line through the measured peaks "
+                 "(not run under a hard limit):\n\n")
         text += _table(["model", "N", "longest S", "MiB per 1k tokens", "intercept MiB", "max fit residual MiB",
                         "measured up to S"], cap)
     plot_memory(r)
@@ -70,8 +71,8 @@ def balance(r: Rec) -> str:
              _f(x["best_speedup_vs_contiguous"]), _f(x["cost_model_speedup"]), _f(x["pair_speedup_vs_contiguous"]),
              _f(x["theory_fwd_speedup"], 3), _f(max(x["rank_busy_s"]) / min(x["rank_busy_s"]))]
             for x in r["simulated"]]
-    text = _table(["N", "layout", "makespan (s)", "× vs contiguous (median)", "× (best of)", "× predicted by block costs",
-                   "× by pair count", "theory fwd", "busiest / idlest rank"], rows)
+    text = _table(["N", "layout", "makespan (s)", "× vs contiguous (median)", "× (best of)",
+                   "× predicted by block costs", "× by pair count", "theory fwd", "busiest / idlest rank"], rows)
     text += (f"\n\nBlock costs at c={r['args']['local_len']} (fwd+bwd, best of repeats): causal c×c "
              f"{_f(c['causal_s'] * 1e3, 1)} ms, unmasked c×c {_f(c['full_s'] * 1e3, 1)} ms, unmasked c×c/2 "
              f"{_f(c['half_s'] * 1e3, 1)} ms → causal/full {_f(c['causal_over_full'])}, half/full "

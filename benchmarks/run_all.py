@@ -71,7 +71,8 @@ def run_one(name: str, cmd: List[str], i: int, total: int, t_all: float) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--quick", action="store_true", help="tiny sizes (pipeline smoke test; numbers not meaningful)")
     p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHES)}")

@@ -42,4 +42,5 @@ from .document_layout import layout_table
 __version__ = "0.1.0"
 
 __all__ = ["BackendOptions", "RingCP", "RingOptions", "context_parallel", "doc_ids_from_cu_seqlens",
-           "doc_ids_from_position_ids", "layout_table", "positions", "ring_attention", "shard", "unshard", "__version__"]
+           "doc_ids_from_position_ids", "layout_table", "positions", "ring_attention", "shard", "unshard",
+           "__version__"]

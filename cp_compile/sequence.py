@@ -79,8 +79,9 @@ def _table_error(what: str, fix: str) -> None:
     raise ValueError(f"cp_compile: the positions table {what}. Fix: {fix}")
 
 
-_TABLE_FIX = ("build it with cp_compile.document_layout.layout_table(doc_lengths, N) (one table serves the whole batch: "
-              "build it from the union of the rows' document boundaries, or use B = 1)")
+_TABLE_FIX = ("build it with cp_compile.document_layout.layout_table(doc_lengths, N) "
+              "(one table serves the whole batch: build it from the union of the rows' document boundaries, "
+              "or use B = 1)")
 
 
 def check_table(table: Any, world_size: int, seq_len: Optional[int] = None) -> torch.Tensor:

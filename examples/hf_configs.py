@@ -265,21 +265,35 @@ def _tiny_value(names: Tuple[str, str], value: Any, n_layers: Optional[int], com
     if any(_RANDOM.search(n) for n in names) and _number(value):
         return type(value)(0)  # 0 or 0.0: a strict config checks the type
     for name in names:
-        if name in SIZES and (value is None or _number(value) or isinstance(SIZES[name], bool)):
-            return SIZES[name]  # a None head_dim or n_inner means "from the hidden size": the same 16, 128
-        if name in SIZES_IF_SET and _number(value):
-            return SIZES_IF_SET[name]
-        if name in AT_MOST and _number(value):
-            return min(int(value), AT_MOST[name])
-        periodic = next((v for end, v in _PERIODIC.items() if name.endswith(end)), None)
-        if periodic is not None and _int(value) is not None:
-            return min(value, periodic)
-        if name in KV_HEADS_FIELDS and value is None:  # None: "as many as the heads"; the field says GQA
-            return KV_HEADS
-        if name == "vocab_size" or "vocab" in name and _int(value) and value > VOCAB:
-            return VOCAB  # the vocabulary itself always (a smaller one would not hold the batch's ids)
+        new = _sized_by_name(name, value)
+        if new is not _KEEP:
+            return new
+    return _layered_value(names[0], value, n_layers, computed)
+
+
+def _sized_by_name(name: str, value: Any) -> Any:
+    """The tiny size a field's name sets (model sizes, caps, periods, GQA heads, the vocabulary), or ``_KEEP``."""
+    if name in SIZES and (value is None or _number(value) or isinstance(SIZES[name], bool)):
+        return SIZES[name]  # a None head_dim or n_inner means "from the hidden size": the same 16, 128
+    if name in SIZES_IF_SET and _number(value):
+        return SIZES_IF_SET[name]
+    if name in AT_MOST and _number(value):
+        return min(int(value), AT_MOST[name])
+    periodic = next((v for end, v in _PERIODIC.items() if name.endswith(end)), None)
+    if periodic is not None and _int(value) is not None:
+        return min(value, periodic)
+    if name in KV_HEADS_FIELDS and value is None:  # None: "as many as the heads"; the field says GQA
+        return KV_HEADS
+    if name == "vocab_size" or "vocab" in name and _int(value) and value > VOCAB:
+        return VOCAB  # the vocabulary itself always (a smaller one would not hold the batch's ids)
+    return _KEEP
+
+
+def _layered_value(name: str, value: Any, n_layers: Optional[int], computed: bool) -> Any:
+    """A list over the layers, or a dict of per-layer settings by layer index, cut to the tiny
+    layer count (see :func:`_per_layer`); ``_KEEP`` for any other value."""
     if isinstance(value, list) and n_layers and n_layers > LAYERS:
-        return _per_layer(names[0], value, n_layers, computed)
+        return _per_layer(name, value, n_layers, computed)
     if isinstance(value, dict) and value and all(re.fullmatch(r"\d+", str(k)) and isinstance(v, dict)
                                                  for k, v in value.items()):
         return {k: {n: _pick(v, _tiny_value((n, n), v, None, False)) for n, v in sub.items()}

@@ -27,7 +27,7 @@ import hf_models
 def dataset(n: int, seq_len: int) -> List[Dict[str, torch.Tensor]]:
     """``n`` examples ``{"input_ids", "labels"}`` (labels: the ids, ~10% -100; HF shifts them)."""
     ids, labels = hf_models.hf_tokens(seq_len, batch=n, seed=1)
-    return [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    return [{"input_ids": row_ids, "labels": row_labels} for row_ids, row_labels in zip(ids, labels)]
 
 
 def training_args(out: str, steps: int, batch: int, **extra: Any) -> Any:

@@ -56,9 +56,10 @@ class DocAttention(torch.nn.Module):
 
     ``form`` says where the documents come from and how the term is written: ``"index"``
     (``doc`` (B, S) ids, ``doc[:, :, None] == doc[:, None, :]``), ``"unsqueeze"`` (the same with
-    ``unsqueeze``), ``"head_dim_last"`` (the conjunction at (B, S, S), then ``[:, None]``), ``"cu_seqlens"`` (``doc`` holds flash-attn's cu_seqlens; ids by
-    ``searchsorted``), ``"eos"`` (``doc`` holds token ids, also embedded; a document starts after
-    each 0), ``"activations"`` (ids from hidden states: the ring cannot have them whole, refused)."""
+    ``unsqueeze``), ``"head_dim_last"`` (the conjunction at (B, S, S), then ``[:, None]``),
+    ``"cu_seqlens"`` (``doc`` holds flash-attn's cu_seqlens; ids by ``searchsorted``), ``"eos"``
+    (``doc`` holds token ids, also embedded; a document starts after each 0), ``"activations"``
+    (ids from hidden states: the ring cannot have them whole, refused)."""
 
     def __init__(self, form: str) -> None:
         super().__init__()

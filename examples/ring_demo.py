@@ -137,7 +137,8 @@ def main() -> None:
         print(f"single process: causal SDPA fwd+bwd, S={args.seq_len}, H={args.heads}, "
               f"H_kv={args.kv_heads}, D={args.head_dim}, fp32 ...", flush=True)
         proc = ctx.Process(target=single_process, args=(args, os.path.join(tmp, "ref.pt")))
-        proc.start(); proc.join()
+        proc.start()
+        proc.join()
         if proc.exitcode != 0:
             raise SystemExit(f"single-process reference failed (exit code {proc.exitcode})")
         print(f"{args.world_size} ranks (gloo): cp_compile.ring_attention, zigzag, p2p ...", flush=True)

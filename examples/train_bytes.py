@@ -38,7 +38,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from typing import List, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -192,9 +192,18 @@ def save_plot(path: str, losses: List[float], title: str) -> None:
     print(f"loss curve: {path}")
 
 
-def main(argv=None) -> Optional[dict]:
-    started = time.perf_counter()
-    args = parse_args(argv)
+class Ranks(NamedTuple):
+    """Where this process trains."""
+
+    distributed: bool  # under torchrun (WORLD_SIZE > 1) and not --single
+    device: torch.device  # cuda:LOCAL_RANK, else CPU
+    rank: int
+    world: int
+
+
+def setup_ranks(args: argparse.Namespace) -> Ranks:
+    """The device (on CPU with glibc's mmap threshold lowered, for the memory figures) and, under
+    torchrun, the process group (nccl on CUDA, gloo on CPU); checks that the sequence splits."""
     distributed = not args.single and int(os.environ.get("WORLD_SIZE", "1")) > 1
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -210,32 +219,36 @@ def main(argv=None) -> Optional[dict]:
         rank, world = 0, 1
     if distributed and args.seq_len % (2 * world):
         raise SystemExit(f"--seq-len {args.seq_len} must divide by 2 x world size = {2 * world}")
-    main_rank = rank == 0 and not args.single
-    log = print if main_rank else (lambda *a, **k: None)
+    return Ranks(distributed, device, rank, world)
 
-    data = load_sequences(args.steps * args.batch, args.seq_len, args.seed)
-    torch.manual_seed(args.seed)
-    cfg = models.LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                             n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, max_seq_len=args.seq_len)
-    model = models.Llama(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    n_params = sum(p.numel() for p in model.parameters())
 
-    def train_step(model, optimizer, input_ids, labels):
-        loss = model(input_ids, labels=labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+def train_step(model, optimizer, input_ids, labels):
+    """One training step: forward, backward, optimizer step; the loss."""
+    loss = model(input_ids, labels=labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
 
-    if distributed:
+
+def compile_step(args: argparse.Namespace, ranks: Ranks) -> Tuple[Callable, str]:
+    """:func:`train_step` compiled for this run, and how (for the log): context-parallel over the
+    ranks (every rank passes the full batch), or torch.compile in one process."""
+    if ranks.distributed:
         import cp_compile
 
         step_fn = cp_compile.context_parallel(shard={"input_ids": 1, "labels": 1}, inner=args.inner)(train_step)
-        how = f"context-parallel over {world} ranks ({dist.get_backend()}), {args.seq_len // world} tokens per rank"
+        how = (f"context-parallel over {ranks.world} ranks ({dist.get_backend()}), "
+               f"{args.seq_len // ranks.world} tokens per rank")
     else:
         step_fn = torch.compile(train_step, backend=args.inner)
         how = "one process, no CP"
+    return step_fn, how
+
+
+def log_header(log: Callable, args: argparse.Namespace, n_params: int, device: torch.device, how: str) -> float:
+    """Log the model, the run and this machine's fp32 matmul GFLOP/s (measured on every rank at once,
+    the contention training sees); that GFLOP/s."""
     log(f"byte-level Llama ({n_params / 1e6:.2f} M params: dim={args.dim}, layers={args.layers}, "
         f"heads={args.heads}/{args.kv_heads} kv, ffn={args.ffn}, vocab=256) on Python {sys.version.split()[0]}'s "
         f"standard library source")
@@ -245,26 +258,35 @@ def main(argv=None) -> Optional[dict]:
     log(f"this machine: fp32 matmul {gflops:.0f} GFLOP/s per process ({torch.get_num_threads()} thread(s)); "
         "tokens/s scale with it", flush=True)
     log("step 1 includes compilation", flush=True)
+    return gflops
 
+
+def step_figures(peak: float, seconds: float, ranks: Ranks) -> Tuple[List[float], float]:
+    """Every rank's peak MiB of a step and the step's time (the slowest rank's, when distributed)."""
+    if not ranks.distributed:
+        return [peak], seconds
+    stats = torch.tensor([peak, seconds], dtype=torch.float64, device=ranks.device)
+    gathered = [torch.empty_like(stats) for _ in range(ranks.world)]
+    dist.all_gather(gathered, stats)
+    return [g[0].item() for g in gathered], max(g[1].item() for g in gathered)
+
+
+def train(args: argparse.Namespace, ranks: Ranks, data: torch.Tensor, model: torch.nn.Module,
+          opt: torch.optim.Optimizer, step_fn: Callable,
+          log: Callable) -> Tuple[List[float], List[List[float]], List[float]]:
+    """Run the steps on consecutive batches of ``data``, logging a progress line each:
+    (losses, every rank's peak MiB per step, global tokens/s per step)."""
     tokens = args.batch * args.seq_len
     losses, peaks_all, rates = [], [], []
     for i in range(1, args.steps + 1):
-        batch = data[(i - 1) * args.batch: i * args.batch].to(device=device, dtype=torch.long)
+        batch = data[(i - 1) * args.batch: i * args.batch].to(device=ranks.device, dtype=torch.long)
         input_ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        if distributed:
+        if ranks.distributed:
             dist.barrier()
         t0 = time.perf_counter()
-        loss_t, peak = measure(lambda: step_fn(model, opt, input_ids, labels), device)
+        loss_t, peak = measure(lambda: step_fn(model, opt, input_ids, labels), ranks.device)
         loss = loss_t.item()
-        seconds = time.perf_counter() - t0
-        if distributed:
-            stats = torch.tensor([peak, seconds], dtype=torch.float64, device=device)
-            gathered = [torch.empty_like(stats) for _ in range(world)]
-            dist.all_gather(gathered, stats)
-            peaks = [g[0].item() for g in gathered]
-            seconds = max(g[1].item() for g in gathered)
-        else:
-            peaks = [peak]
+        peaks, seconds = step_figures(peak, time.perf_counter() - t0, ranks)
         losses.append(loss)
         peaks_all.append(peaks)
         rates.append(tokens / seconds)
@@ -273,30 +295,15 @@ def main(argv=None) -> Optional[dict]:
             f"peak MiB {mem}", flush=True)
         if not math.isfinite(loss):
             raise SystemExit(f"loss is {loss} at step {i}")
+    return losses, peaks_all, rates
 
-    later = peaks_all[1:] or peaks_all  # step 1 = compilation + AdamW state
-    rank_peaks = [max(p[r] for p in later) for r in range(world)]
-    summary = {"losses": losses, "peak_mib": max(rank_peaks), "rank_peak_mib": rank_peaks,
-               "tokens_per_s": sum(rates[1:]) / len(rates[1:]) if len(rates) > 1 else rates[0],
-               "seq_len": args.seq_len, "world_size": world, "matmul_gflops": gflops}
-    if distributed:
-        dist.destroy_process_group()
-    if args.single:
-        print(json.dumps(summary))
-        return summary
-    if rank != 0:
-        return summary
 
-    print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} (ln 256 = {math.log(256):.4f}); "
-          f"{summary['tokens_per_s']:.0f} tok/s (mean after step 1) with fp32 matmul at {gflops:.0f} GFLOP/s "
-          f"per process; {time.perf_counter() - started:.0f} s since start")
-    save_plot(args.plot, losses, f"byte-level Llama on the Python stdlib, S={args.seq_len}, {world} rank(s)")
-
-    if args.no_compare:
-        return summary
+def compare_single(args: argparse.Namespace, summary: dict, world: int) -> None:
+    """Rank 0 after CP training: run this script with ``--single`` (the same model and sequence length,
+    2 steps, in one process), print the peak memory per rank against it and record it in ``summary``."""
     if world == 1:
         print("no memory comparison: this run already is a single process (start it with torchrun for CP)")
-        return summary
+        return
     print("running the same model in one process for the memory comparison ...", flush=True)
     cmd = [sys.executable, os.path.abspath(__file__), "--single", "--steps", "2"]
     for k in ("seq_len", "batch", "dim", "layers", "heads", "kv_heads", "ffn", "lr", "seed", "inner"):
@@ -310,13 +317,55 @@ def main(argv=None) -> Optional[dict]:
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         print(f"single-process run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-        return summary
+        return
     single = json.loads(lines[-1])
     cp = summary["peak_mib"]
     ratio = cp / single["peak_mib"] if single["peak_mib"] > 0 else float("nan")
     print(f"peak memory per rank {cp:.1f} MiB ({world} CP ranks) vs single process {single['peak_mib']:.1f} MiB "
           f"at S={args.seq_len} ({ratio:.2f}x)")
     summary["single_peak_mib"] = single["peak_mib"]
+
+
+def main(argv=None) -> Optional[dict]:
+    """Train (every rank), log the progress (rank 0), then on rank 0 print the result, plot the loss
+    and compare memory against one process; the run's summary (printed as JSON under --single)."""
+    started = time.perf_counter()
+    args = parse_args(argv)
+    ranks = setup_ranks(args)
+    world = ranks.world
+    main_rank = ranks.rank == 0 and not args.single
+    log = print if main_rank else (lambda *a, **k: None)
+
+    data = load_sequences(args.steps * args.batch, args.seq_len, args.seed)
+    torch.manual_seed(args.seed)
+    cfg = models.LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                             n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, max_seq_len=args.seq_len)
+    model = models.Llama(cfg).to(ranks.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    n_params = sum(p.numel() for p in model.parameters())
+    step_fn, how = compile_step(args, ranks)
+    gflops = log_header(log, args, n_params, ranks.device, how)
+    losses, peaks_all, rates = train(args, ranks, data, model, opt, step_fn, log)
+
+    later = peaks_all[1:] or peaks_all  # step 1 = compilation + AdamW state
+    rank_peaks = [max(p[r] for p in later) for r in range(world)]
+    summary = {"losses": losses, "peak_mib": max(rank_peaks), "rank_peak_mib": rank_peaks,
+               "tokens_per_s": sum(rates[1:]) / len(rates[1:]) if len(rates) > 1 else rates[0],
+               "seq_len": args.seq_len, "world_size": world, "matmul_gflops": gflops}
+    if ranks.distributed:
+        dist.destroy_process_group()
+    if args.single:
+        print(json.dumps(summary))
+        return summary
+    if ranks.rank != 0:
+        return summary
+
+    print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} (ln 256 = {math.log(256):.4f}); "
+          f"{summary['tokens_per_s']:.0f} tok/s (mean after step 1) with fp32 matmul at {gflops:.0f} GFLOP/s "
+          f"per process; {time.perf_counter() - started:.0f} s since start")
+    save_plot(args.plot, losses, f"byte-level Llama on the Python stdlib, S={args.seq_len}, {world} rank(s)")
+    if not args.no_compare:
+        compare_single(args, summary, world)
     return summary
 
 

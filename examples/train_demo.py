@@ -43,7 +43,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -178,9 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> float:
-    args = parse_args(argv)
-    mmap_threshold_env()  # inherited by the spawned processes (see examples/_measure.py)
+def print_plan(args: argparse.Namespace) -> None:
+    """What is trained and the three runs compared."""
     N = args.world_size
     print(f"AdamW training of the example Llama (dim={args.dim}, layers={args.layers}, "
           f"heads={args.heads}/{args.kv_heads} kv, ffn={args.ffn}, vocab={args.vocab}), "
@@ -191,6 +190,11 @@ def main(argv=None) -> float:
           f"gloo on 127.0.0.1, S/{N}={args.seq_len // N} tokens per rank")
     print("  same seed, weights and data in every process; one torch thread per process\n", flush=True)
 
+
+def run_all(args: argparse.Namespace) -> Tuple[dict, dict, List[dict], float]:
+    """Run the single process (eager, then compiled) and the CP ranks, each spawned on its own:
+    (eager summary, compiled summary, each rank's summary, wall seconds of all runs)."""
+    N = args.world_size
     ctx = mp.get_context("spawn")
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -212,7 +216,12 @@ def main(argv=None) -> float:
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
     wall = time.perf_counter() - t_start
+    return ref, ref_c, ranks, wall
 
+
+def print_losses(args: argparse.Namespace, ref: dict, ranks: List[dict]) -> List[float]:
+    """The loss table (single process eager vs CP rank 0), the spread across ranks and the fallbacks;
+    the relative difference of each step."""
     print("\nloss per step: single process (eager) vs CP (rank 0)")
     print(f"  {'step':>4}  {'single process':>14}  {'CP rank 0':>14}  {'rel. diff':>9}")
     diffs = []
@@ -224,7 +233,11 @@ def main(argv=None) -> float:
     fallbacks = ranks[0]["fallbacks"]
     if fallbacks:
         print(f"  note: {len(fallbacks)} op(s) ran on the gathered sequence: " + "; ".join(fallbacks))
+    return diffs
 
+
+def print_memory(args: argparse.Namespace, ref: dict, ref_c: dict, ranks: List[dict]) -> None:
+    """Peak memory of the measured step in each run, each rank against the single processes."""
     print(f"\npeak memory of one training step (step {MEASURED_STEP}: forward + backward + AdamW step; "
           "activations, grads, temporaries)")
     print(f"  single process, eager    : {ref['peak_mib']:8.1f} MiB")
@@ -236,17 +249,32 @@ def main(argv=None) -> float:
     print(f"  outside the step, in every process: {ref['n_params'] / 1e6:.2f} M parameters = "
           f"{ref['weights_mib']:.1f} MiB weights + {ref['adam_mib']:.1f} MiB AdamW state")
 
-    def later(s):
-        rest = s["seconds"][1:]
-        return sum(rest) / len(rest)
 
+def _later(s: dict) -> float:
+    """Mean seconds of the steps after the warm-up."""
+    rest = s["seconds"][1:]
+    return sum(rest) / len(rest)
+
+
+def print_times(args: argparse.Namespace, ref: dict, ref_c: dict, ranks: List[dict], wall: float) -> None:
+    """Step times of each run: the warm-up step and the mean of the others."""
     print(f"\nstep time (s): step 1 (warm-up, incl. compilation where compiled), mean of steps 2-{args.steps}")
-    print(f"  single process, eager    : {ref['seconds'][0]:6.2f}   {later(ref):6.2f}")
-    print(f"  single process, {args.inner:<9.9}: {ref_c['seconds'][0]:6.2f}   {later(ref_c):6.2f}")
+    print(f"  single process, eager    : {ref['seconds'][0]:6.2f}   {_later(ref):6.2f}")
+    print(f"  single process, {args.inner:<9.9}: {ref_c['seconds'][0]:6.2f}   {_later(ref_c):6.2f}")
     for r, s in enumerate(ranks):
-        print(f"  CP rank {r}                : {s['seconds'][0]:6.2f}   {later(s):6.2f}")
+        print(f"  CP rank {r}                : {s['seconds'][0]:6.2f}   {_later(s):6.2f}")
     print(f"  (wall time of all runs, incl. process start-up: {wall:.0f} s)")
 
+
+def main(argv=None) -> float:
+    """Run the comparison and print it; the largest relative loss difference (CP vs single process)."""
+    args = parse_args(argv)
+    mmap_threshold_env()  # inherited by the spawned processes (see examples/_measure.py)
+    print_plan(args)
+    ref, ref_c, ranks, wall = run_all(args)
+    diffs = print_losses(args, ref, ranks)
+    print_memory(args, ref, ref_c, ranks)
+    print_times(args, ref, ref_c, ranks, wall)
     worst = max(diffs)
     print(f"\nmax relative loss difference: {worst:.2e}")
     return worst

@@ -239,7 +239,8 @@ def collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> 
         out.append(Collective("backward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
                               f"{len(rings)} attention x {hops} hop(s)"))
         out.append(Collective("backward", "ring dK/dV send+recv (fp32)", len(rings) * n_ranks, acc_hop * n_ranks,
-                              f"{len(rings)} attention x {n_ranks} hop(s), {acc_hop // max(len(rings), 1):,} B per hop"))
+                              f"{len(rings)} attention x {n_ranks} hop(s), "
+                              f"{acc_hop // max(len(rings), 1):,} B per hop"))
     out += _grad_collectives(nodes)
     if ar:
         out.append(Collective("backward", "all_reduce (gradient of the global loss)", len(ar), ar_bytes))

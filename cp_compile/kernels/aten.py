@@ -49,8 +49,8 @@ def _expand_kv(x: Tensor, heads: int) -> Tensor:
 
 def _sum_group(g: Tensor, h_kv: int) -> Tensor:
     """(B, H, L, D) gradient of expanded K/V -> (B, H_kv, L, D)."""
-    b, h, l, d = g.shape
-    return g.reshape(b, h_kv, h // h_kv, l, d).sum(2)
+    b, h, n, d = g.shape
+    return g.reshape(b, h_kv, h // h_kv, n, d).sum(2)
 
 
 class AtenKernel:

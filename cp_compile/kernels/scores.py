@@ -140,7 +140,8 @@ class ScoresKernel:
         dp = torch.einsum("bngqd,bnkd->bngqk", _grouped(do, h_kv), v.to(ct)).reshape(p.shape)
         ds = p * (dp - (do * o).sum(-1, keepdim=True))  # d loss / d (modified score)
         (ds_raw,) = vjp(ds)
-        ds_raw = ds_raw.masked_fill(torch.isneginf(s), 0.0) * scale  # masked pairs carry nothing, even where score' is inf
+        # masked pairs carry nothing, even where score' is inf
+        ds_raw = ds_raw.masked_fill(torch.isneginf(s), 0.0) * scale
         _add_grouped_t(dk, ds_raw, q.to(ct))  # dk += ds_rawᵀ q
         return torch.einsum("bngqk,bnkd->bngqd", _grouped(ds_raw, h_kv), k.to(ct)).reshape(q.shape)
 

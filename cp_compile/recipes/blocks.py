@@ -55,6 +55,7 @@ import torch.nn as nn
 from ..backend.compiler import RingCP
 from ..graph_ops import grad_all_reduce
 from ..group import resolve_group
+from ..options import BackendOptions
 from ..sequence import check_seq_len, shard
 
 # Options compile_blocks chooses per position; a user value would break the chain.
@@ -134,30 +135,33 @@ def _checked_call(compiled: Callable, backend: RingCP, seq_dim: int, local: bool
         if not local:
             return compiled(*args, **kwargs)
         torch._dynamo.mark_dynamic(hidden, dim)
-
-        def to_shard(x: Any, where: str) -> Any:
-            if isinstance(x, (tuple, list)):
-                return type(x)(to_shard(v, f"{where}[{j}]") for j, v in enumerate(x))
-            if not isinstance(x, torch.Tensor):
-                return x
-            dims = [d for d in range(x.dim()) if x.shape[d] == seq_len]
-            if not dims:
-                return x
-            if len(dims) > 1:
-                raise ValueError(
-                    f"cp_compile: block argument {where} {tuple(x.shape)} has {len(dims)} dims of the sequence "
-                    f"length {seq_len} (an attention mask?): a block that takes this rank's shard cannot take it "
-                    "whole, and the ring needs it whole. Fix: let attention be causal without a mask "
-                    "(is_causal=True; Hugging Face skips the mask for a causal batch without padding), or "
-                    "compile each block with block.compile(backend='ring_cp') (full inputs, one gather a block).")
-            if x.requires_grad:  # its share of the gradient is this rank's rows: sum the shares, as the graph does
-                x = grad_all_reduce(x, group.name)
-            part = shard(x, dims[0], group=opts.mesh, load_balance=opts.load_balance)
-            torch._dynamo.mark_dynamic(part, dims[0])
-            return part
-
-        args = (hidden,) + tuple(to_shard(a, f"#{j}") for j, a in enumerate(args[1:], 1))
-        kwargs = {k: to_shard(v, repr(k)) for k, v in kwargs.items()}
+        args = (hidden,) + tuple(_to_shard(a, f"#{j}", seq_len, group.name, opts) for j, a in enumerate(args[1:], 1))
+        kwargs = {k: _to_shard(v, repr(k), seq_len, group.name, opts) for k, v in kwargs.items()}
         return compiled(*args, **kwargs)
 
     return call
+
+
+def _to_shard(x: Any, where: str, seq_len: int, group_name: str, opts: BackendOptions) -> Any:
+    """The eager step for one argument ``x`` (named ``where`` in errors) of a ``local`` block: a tensor with
+    exactly one dim of the whole length ``seq_len`` -> this rank's shard of it along that dim, marked
+    dynamic there; tuples and lists element by element; anything else unchanged."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_shard(v, f"{where}[{j}]", seq_len, group_name, opts) for j, v in enumerate(x))
+    if not isinstance(x, torch.Tensor):
+        return x
+    dims = [d for d in range(x.dim()) if x.shape[d] == seq_len]
+    if not dims:
+        return x
+    if len(dims) > 1:
+        raise ValueError(
+            f"cp_compile: block argument {where} {tuple(x.shape)} has {len(dims)} dims of the sequence "
+            f"length {seq_len} (an attention mask?): a block that takes this rank's shard cannot take it "
+            "whole, and the ring needs it whole. Fix: let attention be causal without a mask "
+            "(is_causal=True; Hugging Face skips the mask for a causal batch without padding), or "
+            "compile each block with block.compile(backend='ring_cp') (full inputs, one gather a block).")
+    if x.requires_grad:  # its share of the gradient is this rank's rows: sum the shares, as the graph does
+        x = grad_all_reduce(x, group_name)
+    part = shard(x, dims[0], group=opts.mesh, load_balance=opts.load_balance)
+    torch._dynamo.mark_dynamic(part, dims[0])
+    return part

@@ -27,19 +27,32 @@ def _fail(msg: str) -> None:
 def _check_tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Shapes, dtypes and devices of the local shards, with errors that name the fix."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a Tensor, got {type(t).__name__}. Fix: pass torch.Tensor shards from cp_compile.shard.")
-        if t.dim() != 4:
-            _fail(
-                f"{name} has shape {tuple(t.shape)}; expected 4 dims (B, H, S_local, D). "
-                "Fix: transpose (B, S, H, D) activations with .transpose(1, 2) as for F.scaled_dot_product_attention."
-            )
-        if not t.dtype.is_floating_point:
-            _fail(f"{name} has dtype {t.dtype}; expected a floating-point dtype. Fix: cast to float32/bfloat16/float16.")
+        _check_tensor(name, t)
     if len({sdpa_dtype(t, q.device.type) for t in (q, k, v)}) != 1:  # under autocast, as the op casts them
         _fail(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}). Fix: cast them to one dtype.")
     if not (q.device == k.device == v.device):
         _fail(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}). Fix: move them to one device.")
+    _check_shapes(q, k, v)
+
+
+def _check_tensor(name: str, t: Tensor) -> None:
+    """One of q, k, v on its own: a floating-point tensor laid out (B, H, S_local, D)."""
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a Tensor, got {type(t).__name__}. "
+              "Fix: pass torch.Tensor shards from cp_compile.shard.")
+    if t.dim() != 4:
+        _fail(
+            f"{name} has shape {tuple(t.shape)}; expected 4 dims (B, H, S_local, D). "
+            "Fix: transpose (B, S, H, D) activations with .transpose(1, 2) as for F.scaled_dot_product_attention."
+        )
+    if not t.dtype.is_floating_point:
+        _fail(f"{name} has dtype {t.dtype}; expected a floating-point dtype. "
+              "Fix: cast to float32/bfloat16/float16.")
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """q (B, H, S_local, D), k and v (B, H_kv, S_local, D) agree: one K/V shape, the same batch,
+    head dim and local length as q, and H a multiple of H_kv."""
     if k.shape != v.shape:
         _fail(
             f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (one K/V block travels "
@@ -112,7 +125,8 @@ def _check_doc_ids(doc_ids: Tensor, q: Tensor, n: int) -> Tensor:
     if not isinstance(doc_ids, torch.Tensor) or doc_ids.dtype not in (torch.int32, torch.int64):
         what = doc_ids.dtype if isinstance(doc_ids, torch.Tensor) else type(doc_ids).__name__
         _fail(f"doc_ids must be an int32 or int64 tensor, got {what}. Fix: pass integer document ids, e.g. "
-              "cp_compile.doc_ids_from_cu_seqlens(cu_seqlens, S) or cp_compile.doc_ids_from_position_ids(position_ids).")
+              "cp_compile.doc_ids_from_cu_seqlens(cu_seqlens, S) or "
+              "cp_compile.doc_ids_from_position_ids(position_ids).")
     ids = doc_ids.unsqueeze(0) if doc_ids.dim() == 1 else doc_ids
     if ids.dim() != 2 or ids.shape[0] not in (1, b) or ids.shape[1] != s:
         _fail(
@@ -136,7 +150,8 @@ def _check_buffers(name: str, buffers: Optional[Sequence[Tensor]], mod: Optional
     for t in buffers:
         if t.requires_grad:
             _fail(f"a {name} tensor requires grad; the ring treats the mods' buffers as constants (learned biases "
-                  f"are not supported by the ring yet). Fix: pass it .detach(), or keep that attention out of the ring.")
+                  "are not supported by the ring yet). Fix: pass it .detach(), or keep that attention out of the "
+                  "ring.")
         if t.device != q.device:
             _fail(f"a {name} tensor is on {t.device}, q on {q.device}. Fix: move it to q's device.")
     return list(buffers)

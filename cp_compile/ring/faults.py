@@ -50,8 +50,9 @@ class RingGroup(CPGroup):
 class Hop:
     """The pending works of one transfer and what each one is, for error messages.
 
-    ``kind`` is what travels ("K/V", "dK/dV"); ``labels[i]`` describes ``works[i]`` (e.g. "receiving the K/V block from rank 1")
-    and ``peers[i]`` is the rank it waits for (``None``: any rank of a collective).
+    ``kind`` is what travels ("K/V", "dK/dV"); ``labels[i]`` describes ``works[i]``
+    (e.g. "receiving the K/V block from rank 1") and ``peers[i]`` is the rank it waits for
+    (``None``: any rank of a collective).
     ``step`` is the ring step that needs the data (``size`` for the last dK/dV hop,
     which brings each block's gradient home; ``-1`` for a check before the ring starts).
     """

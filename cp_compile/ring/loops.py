@@ -51,8 +51,8 @@ def _doc_index(spec: MaskSpec, seq_len: int, valid_len: int, batch: int) -> Opti
             n == seq_len or 0 <= valid_len <= n < seq_len):
         raise ValueError(
             f"cp_compile: doc_ids has shape {tuple(ids.shape)} and dtype {ids.dtype}; the ring takes int32/int64 ids "
-            f"of every global position, (B={batch} or 1, S={seq_len}). Fix: pass the whole sequence's document ids (not this "
-            "rank's shard), e.g. cp_compile.doc_ids_from_cu_seqlens(cu_seqlens, S)."
+            f"of every global position, (B={batch} or 1, S={seq_len}). Fix: pass the whole sequence's document ids "
+            "(not this rank's shard), e.g. cp_compile.doc_ids_from_cu_seqlens(cu_seqlens, S)."
         )
     return DocIndex(ids, seq_len)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -191,32 +191,52 @@ def _hash_obj(h: "hashlib._Hash", obj: Any, depth: int) -> None:
     elif isinstance(obj, types.CodeType):
         _hash_code(h, obj, depth)
     elif isinstance(obj, (tuple, list, frozenset)):
-        h.update(f"{type(obj).__name__}{len(obj)}".encode())
-        for x in (sorted(obj, key=repr) if isinstance(obj, frozenset) else obj):
-            _hash_obj(h, x, depth + 1)
+        _hash_items(h, obj, depth)
     elif isinstance(obj, torch.fx.GraphModule):
-        h.update(obj.code.encode())
-        for name, t in sorted({**dict(obj.named_parameters()), **dict(obj.named_buffers())}.items()):
-            h.update(name.encode())
-            _hash_tensor(h, t)
-        for name, value in sorted(vars(obj).items()):
-            if isinstance(value, torch.Tensor) and not name.startswith("_"):
-                h.update(name.encode())
-                _hash_tensor(h, value)
+        _hash_graph_module(h, obj)
     elif isinstance(obj, types.FunctionType):
-        h.update(f"{obj.__module__}.{obj.__qualname__}".encode())
-        _hash_code(h, obj.__code__, depth)
-        _hash_obj(h, obj.__defaults__, depth + 1)
-        _hash_obj(h, tuple(c.cell_contents for c in obj.__closure__ or () if _filled(c)), depth + 1)
+        _hash_function(h, obj, depth)
     elif isinstance(obj, types.MethodType):
         _hash_obj(h, obj.__func__, depth + 1)
         h.update(type(obj.__self__).__qualname__.encode())
     elif hasattr(obj, "func") and hasattr(obj, "args"):  # functools.partial
         _hash_obj(h, (obj.func, obj.args, tuple(sorted(obj.keywords.items()))), depth + 1)
     else:
-        h.update(f"{type(obj).__module__}.{type(obj).__qualname__}".encode())
-        if callable(obj) and hasattr(type(obj), "__call__"):
-            _hash_obj(h, type(obj).__call__, depth + 1)
+        _hash_instance(h, obj, depth)
+
+
+def _hash_items(h: "hashlib._Hash", obj: Union[tuple, list, frozenset], depth: int) -> None:
+    """A tuple or list item by item, a frozenset in a fixed order (by repr)."""
+    h.update(f"{type(obj).__name__}{len(obj)}".encode())
+    for x in (sorted(obj, key=repr) if isinstance(obj, frozenset) else obj):
+        _hash_obj(h, x, depth + 1)
+
+
+def _hash_graph_module(h: "hashlib._Hash", gm: torch.fx.GraphModule) -> None:
+    """A traced mod: its code, then its parameters, buffers and public tensor attributes by name."""
+    h.update(gm.code.encode())
+    for name, t in sorted({**dict(gm.named_parameters()), **dict(gm.named_buffers())}.items()):
+        h.update(name.encode())
+        _hash_tensor(h, t)
+    for name, value in sorted(vars(gm).items()):
+        if isinstance(value, torch.Tensor) and not name.startswith("_"):
+            h.update(name.encode())
+            _hash_tensor(h, value)
+
+
+def _hash_function(h: "hashlib._Hash", fn: types.FunctionType, depth: int) -> None:
+    """A Python function: its qualified name, code, defaults and the contents of its filled closure cells."""
+    h.update(f"{fn.__module__}.{fn.__qualname__}".encode())
+    _hash_code(h, fn.__code__, depth)
+    _hash_obj(h, fn.__defaults__, depth + 1)
+    _hash_obj(h, tuple(c.cell_contents for c in fn.__closure__ or () if _filled(c)), depth + 1)
+
+
+def _hash_instance(h: "hashlib._Hash", obj: Any, depth: int) -> None:
+    """Any other object: its class, and for a callable instance the class's ``__call__``."""
+    h.update(f"{type(obj).__module__}.{type(obj).__qualname__}".encode())
+    if callable(obj) and hasattr(type(obj), "__call__"):
+        _hash_obj(h, type(obj).__call__, depth + 1)
 
 
 def _filled(cell: Any) -> bool:

@@ -47,7 +47,8 @@ def format_explain(r: Report, target: str = "") -> str:
     fallbacks, collectives per step and the activation-memory estimate."""
     ctx = r.ctx
     head = f"cp-compile explain {target}".rstrip()
-    lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank {ctx.group.rank} shown), load balance {_layout(r.load_balance)}"]
+    lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank {ctx.group.rank} shown), "
+                   f"load balance {_layout(r.load_balance)}"]
     if not r.attention:
         lines.append("attention: none found. The ring_cp backend compiles this graph unchanged "
                      "(nothing is split by sequence).")
@@ -109,13 +110,14 @@ def format_rows(rows: List[NodeRow], after: bool) -> List[str]:
         cols.append(("*" if r.marked else " ", r.name, r.kind or "-", r.target, shape, short_source(r.source)))
     caps = (1, 32, 22, 28, 40)  # longer entries overflow their column rather than widen it for every row
     widths = [min(max((len(c[i]) for c in cols), default=0), cap) for i, cap in enumerate(caps)]
-    return [f"{c[0]} {c[1]:<{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]:<{widths[3]}}  {c[4]:<{widths[4]}}  {c[5]}".rstrip()
-            for c in cols]
+    return [f"{c[0]} {c[1]:<{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]:<{widths[3]}}  "
+            f"{c[4]:<{widths[4]}}  {c[5]}".rstrip() for c in cols]
 
 
 def format_dump_text(r: Report, target: str = "") -> str:
     """The ``dump`` text listing: the Dynamo graph, then the rewritten one (global -> local shapes)."""
-    lines = [f"# cp-compile dump {target}: world size {r.world_size}, load balance {_layout(r.load_balance)}".replace("  ", " "),
+    lines = [f"# cp-compile dump {target}: world size {r.world_size}, "
+             f"load balance {_layout(r.load_balance)}".replace("  ", " "),
              "# columns: name  kind  target  shape  source line;  * = inserted or rewritten by ring_cp",
              "", f"== before: the Dynamo graph ({len(r.before_rows)} nodes), global shapes"]
     lines += format_rows(r.before_rows, after=False)
@@ -138,8 +140,8 @@ def _dot_escape(s: str) -> str:
 def format_dot(gm: fx.GraphModule, rows: List[NodeRow], title: str, after: bool) -> str:
     """``gm`` as a Graphviz digraph, nodes inserted or rewritten by ring_cp filled by kind."""
     by_name = {r.name: r for r in rows}
-    out = [f'digraph "{_dot_escape(title)}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace", fontsize=9];',
-           f'  label="{_dot_escape(title)}"; labelloc=t;']
+    out = [f'digraph "{_dot_escape(title)}" {{', "  rankdir=TB;",
+           '  node [shape=box, fontname="monospace", fontsize=9];', f'  label="{_dot_escape(title)}"; labelloc=t;']
     colors = {"ring_attention": "#ffb3b3", "shard": "#b3d9ff", "gather": "#ff8080", "grad_all_reduce": "#d9b3ff",
               "grad_all_reduce_bucket": "#d9b3ff", "all_reduce_sum": "#ffd9b3", "grad_scale": "#e6e6e6"}
     for n in gm.graph.nodes:

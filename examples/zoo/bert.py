@@ -82,5 +82,6 @@ def factory(seq_len: int = SEQ_LEN, seed: int = 0):
                    "token_type_ids": token_type_ids, "labels": labels}
 
 
-MEMBER = Member("bert", "HF BERT MLM: word + position_ids[:, :S] + token-type embeddings, (1-mask)*min padding mask, tied head",
+MEMBER = Member("bert", "HF BERT MLM: word + position_ids[:, :S] + token-type embeddings, "
+                "(1-mask)*min padding mask, tied head",
                 factory, zero_grads=("key.bias",))  # absolute positions: q . b_k shifts a row of scores

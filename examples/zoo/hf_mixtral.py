@@ -42,4 +42,5 @@ def factory(seq_len: int = SEQ_LEN, seed: int = 0, **overrides):
 
 
 MEMBER = Member("hf_mixtral", "HF MixtralForCausalLM (transformers' grouped_mm experts: sort by expert, "
-                "grouped matmul, inverse permutation), router aux loss in .loss", factory, worlds=(4,))  # 2 ranks: tests/test_zoo_moe.py
+                "grouped matmul, inverse permutation), router aux loss in .loss",
+                factory, worlds=(4,))  # 2 ranks: tests/test_zoo_moe.py

@@ -63,8 +63,8 @@ class TritonKernel:
         if dtype not in DTYPES:
             return (f"the Triton kernels take float16, bfloat16 or float32, not {dtype}. "
                     "Fix: cast q/k/v, or use kernel='aten' (CPU float64) or 'reference'.")
-        return (f"the Triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1, for tests), not on {device.type}. "
-                "Fix: use kernel='aten' on CPU.")
+        return (f"the Triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1, for tests), "
+                f"not on {device.type}. Fix: use kernel='aten' on CPU.")
 
     # ---- step API: what the ring loops call --------------------------------------
     def new_state(self, q: Tensor) -> State:

@@ -103,12 +103,14 @@ def run(args: argparse.Namespace) -> List[dict]:
         f_fl, b_fl = step_flops(args.batch, args.heads, args.head_dim, pairs)
         t_f, t_b = _time(fwd, args.reps), _time(bwd, args.reps)
         rows.append(dict(step=name, q=q_pos.numel(), k=k_pos.numel(), pairs=pairs,
-                         fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3, fwd_tflops=f_fl / t_f / 1e12, bwd_tflops=b_fl / t_b / 1e12))
+                         fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3,
+                         fwd_tflops=f_fl / t_f / 1e12, bwd_tflops=b_fl / t_b / 1e12))
     return rows
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=16384, help="global sequence length (default 16384)")
     p.add_argument("--world-size", type=int, default=8, help="ring size whose rank-0 steps are timed (default 8)")
     p.add_argument("--batch", type=int, default=1)
@@ -117,7 +119,8 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions (median)")
-    p.add_argument("--cpu-scale", type=int, default=64, help="without CUDA: divide --seq-len by this (interpreter dry run)")
+    p.add_argument("--cpu-scale", type=int, default=64,
+                   help="without CUDA: divide --seq-len by this (interpreter dry run)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         if os.environ.get("TRITON_INTERPRET") != "1":

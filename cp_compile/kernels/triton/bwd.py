@@ -20,7 +20,8 @@ a fixed order (bit-reproducible):
 
 Masking and tile skipping are the forward's (:mod:`.fwd`): by global positions, with
 ``kv_limit`` marking padding, ``window`` a sliding window and, with ``DOCS``, document ids
-(equal ids only; tiles whose document ranges do not meet are skipped). Rows whose lse is -inf (saw no key) get P = 0, so no NaN.
+(equal ids only; tiles whose document ranges do not meet are skipped). Rows whose lse is -inf
+(saw no key) get P = 0, so no NaN.
 With mods (``MASK_MOD``, ``SCORE_GRAD`` from :mod:`.mods`): the forward's mask and tile skipping,
 ``P = exp(s' - lse)`` with ``s' = score_mod(s)``, and ``dS = P ⊙ (dP - Δ) ⊙ ds'/ds`` (0 where P = 0).
 Q, K, V, dO: (B, H(_kv), S, D) any strides; DQ, DK, DV fp32 contiguous; LSE, DELTA
@@ -109,8 +110,10 @@ def _bwd_dkdv(
                 if mod_live(live, m_ok, b, h, q_pos, k_pos, kv_limit, window, q_doc, k_doc, BUF0, BUF1, BUF2, BUF3,
                             CAUSAL, DOCS, MASK_MOD):
                     qd_mask = m_ok[:, None] & d_ok[None, :]
-                    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=qd_mask, other=0.0)
-                    do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=qd_mask, other=0.0)
+                    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
+                                mask=qd_mask, other=0.0)
+                    do = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od,
+                                 mask=qd_mask, other=0.0)
                     row = (b * H + h) * S_q + offs_m
                     lse = tl.load(LSE + row, mask=m_ok, other=float("-inf"))
                     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
@@ -161,8 +164,10 @@ def _bwd_dq(
         if mod_live(live, m_ok, b, h, q_pos, k_pos, kv_limit, window, q_doc, k_doc, BUF0, BUF1, BUF2, BUF3,
                     CAUSAL, DOCS, MASK_MOD):
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
-            v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+            k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd,
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd,
+                        mask=kv_mask, other=0.0)
             p, dmod = _probs(q, k, lse, q_pos, k_pos, kv_limit, window, q_doc, k_doc, scale, b, h, BUF0, BUF1, BUF2,
                              BUF3, CAUSAL, DOCS, MASK_MOD, SCORE_GRAD, INTERP)
             dp = dot(do, tl.trans(v), INTERP)

@@ -121,7 +121,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     for r in compile_all(args.arch, args.dtype, args.head_dim, args.group, docs=args.docs, mods=args.mods):
         tags = "".join(f" {t}" for t in ("docs", "mods") if r[t])
-        print(f"{r['kernel']:10} sm_{r['arch']} {r['dtype']}{tags}: cubin {r['cubin_bytes']} B, shared memory {r['shared_bytes']} B")
+        print(f"{r['kernel']:10} sm_{r['arch']} {r['dtype']}{tags}: cubin {r['cubin_bytes']} B, "
+              f"shared memory {r['shared_bytes']} B")
 
 
 if __name__ == "__main__":

@@ -267,9 +267,9 @@ def _finalize(ACC, M, L, OUT, LSE, n_rows, D, INTERP: tl.constexpr, BLOCK_R: tl.
     r_ok = rows < n_rows
     mask = r_ok[:, None] & (offs_d < D)[None, :]
     m = tl.load(M + rows, mask=r_ok, other=0.0)
-    l = tl.load(L + rows, mask=r_ok, other=0.0)
-    seen = l > 0.0
-    l_safe = tl.where(seen, l, 1.0)
+    l_i = tl.load(L + rows, mask=r_ok, other=0.0)
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
     acc = tl.load(ACC + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
     out = acc / l_safe[:, None]
     tl.store(OUT + rows[:, None] * D + offs_d[None, :], cast(out, OUT.dtype.element_ty, INTERP), mask=mask)
@@ -322,8 +322,8 @@ def new_state(q: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The empty running state for queries q (B, H, S_q, D): acc 0, m -inf, l 0 (all fp32)."""
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, S_q, D)
     m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, S_q)
-    l = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
-    return acc, m, l
+    l_i = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+    return acc, m, l_i
 
 
 def forward_step(
@@ -351,14 +351,14 @@ def forward_step(
     ``counter`` (int32 (1,)) counts the tiles computed, for tests. ``mods``: FlexAttention mods with
     their buffers (:class:`cp_compile.ring.mods.Mods`), run inside the kernel (:mod:`.mods`).
     """
-    acc, m, l = state
+    acc, m, l_i = state
     b, h, s_q, d = q.shape
     s_k = k.shape[2]
     docs = doc_args(q_doc, k_doc, q_pos, k_pos, b)
     fns, buffers = mod_args(mods, q.device, q_pos)
     grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * h)  # noqa: E731
     args = (
-        q, k, v, acc, m, l, q_pos, k_pos, docs.q, docs.k, counter if counter is not None else q_pos, *buffers,
+        q, k, v, acc, m, l_i, q_pos, k_pos, docs.q, docs.k, counter if counter is not None else q_pos, *buffers,
         *q.stride(), *k.stride(), *v.stride(), docs.q_stride, docs.k_stride,
         h, s_q, s_k, d, kv_limit, window, scale,
     )
@@ -373,12 +373,12 @@ def forward_step(
 
 def finalize(state: Tuple[Tensor, Tensor, Tensor], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """(out (B, H, S_q, D) in ``dtype``, lse (B, H, S_q) float32 natural log) from a running state."""
-    acc, m, l = state
+    acc, m, l_i = state
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     lse = torch.empty(m.shape, dtype=torch.float32, device=acc.device)
     n_rows, d = m.numel(), acc.shape[-1]
     block_r = 32
     _finalize[(triton.cdiv(n_rows, block_r),)](
-        acc, m, l, out, lse, n_rows, d, INTERP=INTERPRET, BLOCK_R=block_r, BLOCK_D=padded_head_dim(d)
+        acc, m, l_i, out, lse, n_rows, d, INTERP=INTERPRET, BLOCK_R=block_r, BLOCK_D=padded_head_dim(d)
     )
     return out, lse

@@ -159,6 +159,23 @@ class Gen:
 
     # ---- the walk -------------------------------------------------------------------
     def run(self) -> Val:
+        """Translate the traced mod: bind its arguments, emit each op in graph order; the returned value."""
+        self._bind_placeholders()
+        for node in self.gm.graph.nodes:
+            self.node = node
+            if node.op == "get_attr":
+                self.env[node] = self.constant(getattr(self.gm, node.target))
+            elif node.op == "call_function":
+                self.env[node] = self._call(node)
+            elif node.op == "output":
+                return self._result(node)
+            elif node.op != "placeholder":
+                self.fail(f"the traced graph holds a {node.op} node ({node.target})")
+        self.fail("the traced graph has no output")
+
+    def _bind_placeholders(self) -> None:
+        """The mod's arguments: the leading (score,) b, h, q_idx, kv_idx as the kernel's own values,
+        the buffers after them as references into their slots (read where indexed)."""
         n_lead = 5 if self.score else 4
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for i, node in enumerate(placeholders):
@@ -172,26 +189,23 @@ class Gen:
                 t = node.meta["val"]
                 self.env[node] = BufRef(self.slots[i - n_lead], t.dtype, "0", "True", tuple(t.shape),
                                         _strides(tuple(t.shape)))
-        for node in self.gm.graph.nodes:
-            self.node = node
-            if node.op == "get_attr":
-                self.env[node] = self.constant(getattr(self.gm, node.target))
-            elif node.op == "call_function":
-                shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), Tensor) else None
-                out = handler(node.target, self.fail, self.op_name)(self, *node.args, **node.kwargs)
-                if isinstance(out, Val) and (shape is None or not _shape_ok(shape)):
-                    self.fail(f"{self.op_name()} gives a value of shape {shape} on a tile of {M} query x {N} key "
-                              "indices; the kernels evaluate mods elementwise over (q_idx, kv_idx)")
-                self.env[node] = out
-            elif node.op == "output":
-                res = node.args[0]
-                res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
-                if not isinstance(res, fx.Node):
-                    self.fail(f"it returns {type(res).__name__}, not one tensor")
-                return self.val(res)
-            elif node.op != "placeholder":
-                self.fail(f"the traced graph holds a {node.op} node ({node.target})")
-        self.fail("the traced graph has no output")
+
+    def _call(self, node: fx.Node) -> Any:
+        """One op through its handler; a value must have the elementwise shape of a tile."""
+        shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), Tensor) else None
+        out = handler(node.target, self.fail, self.op_name)(self, *node.args, **node.kwargs)
+        if isinstance(out, Val) and (shape is None or not _shape_ok(shape)):
+            self.fail(f"{self.op_name()} gives a value of shape {shape} on a tile of {M} query x {N} key "
+                      "indices; the kernels evaluate mods elementwise over (q_idx, kv_idx)")
+        return out
+
+    def _result(self, node: fx.Node) -> Val:
+        """The value the output node returns: one tensor (a 1-tuple unwrapped)."""
+        res = node.args[0]
+        res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
+        if not isinstance(res, fx.Node):
+            self.fail(f"it returns {type(res).__name__}, not one tensor")
+        return self.val(res)
 
     def constant(self, t: Tensor) -> Any:
         """A tensor the mod closes over: one element -> a typed literal, else a buffer slot of its own."""

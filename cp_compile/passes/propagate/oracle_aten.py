@@ -96,7 +96,8 @@ def propagate(graph: fx.GraphModule, seq: Dict[fx.Node, int], world: int) -> Tup
             elif n.op == "call_function":
                 place[n] = _step(n, place, _mesh(world))
             elif n.op == "output":
-                return fx.node.map_aggregate(n.args[0], lambda a: place.get(a) if isinstance(a, fx.Node) else None), None
+                return fx.node.map_aggregate(n.args[0],
+                                             lambda a: place.get(a) if isinstance(a, fx.Node) else None), None
     except Want as w:
         return None, (w.node, w.dim)
     except _Stop as e:

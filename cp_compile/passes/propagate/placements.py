@@ -16,7 +16,7 @@ per position", so indexing it with this rank's positions is exactly right. No
 guess about which ``arange`` or which ``[:S]`` slice is positional is ever made.
 ``Partial`` sums are all-reduced where they arise (see rules.py), so they never
 flow between ops.
-"""
+"""  # noqa: E501 (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
 

@@ -115,7 +115,8 @@ def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
         log.info("cp_compile: attention at %s: mask %s = %s%s%s%s", source_line(sdpa), mask.name,
                  "causal" if kind.causal else "full", f" (window {kind.window})" if kind.window > 0 else "",
                  f", documents {doc_ids.name}" if doc_ids is not None else "",
-                 "".join(f", {what} rule {r.term.name}" for what, rs in (("mask", rules), ("score", scores)) for r in rs))
+                 "".join(f", {what} rule {r.term.name}"
+                         for what, rs in (("mask", rules), ("score", scores)) for r in rs))
     return MaskKind(kind.causal, kind.window, explicit, doc_ids, rules, tuple(scores))
 
 

@@ -168,18 +168,30 @@ def _doc_eq(node: Any, ev, seq_len: int) -> Optional[tuple]:
     if not isinstance(val, torch.Tensor) or val.dtype is not torch.bool:
         return None
     if _target(node) in _EQ and node.op != "call_module":
-        a, b = (_lookup(x, ev, seq_len, c) for x, c in zip(node.args[:2], (_POS_A, _POS_B)))
-        if a is None or b is None or a[0] is not b[0]:
-            return None
-        da, db = _dims(a[1]), _dims(b[1])
-        if da.get(_BATCH) != db.get(_BATCH):
-            return None
-        terms, sizes = dict(a[1].terms), dict(a[1].sizes)
-        terms.update(b[1].terms)
-        sizes.update(b[1].sizes)
-        if len(set(terms)) != len(a[1].terms) + len(b[1].terms) - (_BATCH in da):  # q and kv on one dim
-            return None
-        return a[0], Affine(tuple(sorted(terms.items())), 0, tuple(sorted(sizes.items())))
+        return _eq_lookups(node, ev, seq_len)
+    return _doc_eq_view(node, ev, seq_len)
+
+
+def _eq_lookups(node: fx.Node, ev: Callable[[Any], Any], seq_len: int) -> Optional[tuple]:
+    """``X[.., pos_a] == X[.., pos_b]``: one ids tensor X read at two position dims (sharing the batch dim,
+    if any, and no other dim), as (X, their joint encoding); else None."""
+    a, b = (_lookup(x, ev, seq_len, c) for x, c in zip(node.args[:2], (_POS_A, _POS_B)))
+    if a is None or b is None or a[0] is not b[0]:
+        return None
+    da, db = _dims(a[1]), _dims(b[1])
+    if da.get(_BATCH) != db.get(_BATCH):
+        return None
+    terms, sizes = dict(a[1].terms), dict(a[1].sizes)
+    terms.update(b[1].terms)
+    sizes.update(b[1].sizes)
+    if len(set(terms)) != len(a[1].terms) + len(b[1].terms) - (_BATCH in da):  # q and kv on one dim
+        return None
+    return a[0], Affine(tuple(sorted(terms.items())), 0, tuple(sorted(sizes.items())))
+
+
+def _doc_eq_view(node: fx.Node, ev: Callable[[Any], Any], seq_len: int) -> Optional[tuple]:
+    """An equality term seen through a mask-keeping method, a basic index or an unsqueeze: its
+    encoding moved along with the dims; None for any other node."""
     if node.op == "call_method" and node.target in _KEEP_MASK:
         return _doc_eq(node.args[0], ev, seq_len)
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):

@@ -118,7 +118,8 @@ def _per_token(fwd: fx.GraphModule, bwd: fx.GraphModule, operands: Sequence[Any]
         return None
     grads = list(grads) if isinstance(grads, (tuple, list)) else [grads]
     for g, d, v in zip(grads, dims, values):
-        if isinstance(v, torch.Tensor) and d is not None and g is not None and not (isinstance(g, Shard) and g.dim == d):
+        if (isinstance(v, torch.Tensor) and d is not None and g is not None
+                and not (isinstance(g, Shard) and g.dim == d)):
             return None
     return tuple(Sharded(p.dim) for p in outs)
 

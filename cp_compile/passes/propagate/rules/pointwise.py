@@ -134,6 +134,7 @@ def addmm(em: Emitter, node: fx.Node):
     """
     bias, x, w = node.args[:3]
     s, bias_shape = _sharded(em, x), global_shape(bias) if isinstance(bias, fx.Node) else ()
-    if s is None or s.dim != 0 or _sharded(em, bias) or _sharded(em, w) or (len(bias_shape) == 2 and bias_shape[0] != 1):
+    if (s is None or s.dim != 0 or _sharded(em, bias) or _sharded(em, w)
+            or (len(bias_shape) == 2 and bias_shape[0] != 1)):
         return em.fallback(node, "addmm mixing tokens")
     return em.copy(node, *em.value((node.args, node.kwargs))), s

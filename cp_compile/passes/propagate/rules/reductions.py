@@ -24,7 +24,8 @@ def reduction(em: Emitter, node: fx.Node):
     x, s, nd, name = node.args[0], _sharded(em, node.args[0]), _ndim(node.args[0]), _name(node)
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    dims = list(range(nd)) if dim is None else [_norm(d, nd) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+    dims = (list(range(nd)) if dim is None
+            else [_norm(d, nd) for d in (dim if isinstance(dim, (list, tuple)) else [dim])])
     if s.dim not in dims:
         shift = 0 if keep else sum(1 for d in dims if d < s.dim)
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim - shift, s.inner)

@@ -23,7 +23,7 @@ themselves live in the modules named in the first column).
 | fresh buffers (fill.py) | x.new_empty / new_zeros / new_ones / new_full shaped like Sharded x; dst.copy_(src) into a Sharded dst | Sharded(d), at the local length; copy_ elementwise in place |
 | anything else | per-token by its ATen decomposition (passes/oracle.py: erf, lerp, normalize(-1), ...) | as DTensor propagates |
 | what the oracle refuses | (token mixing: slices along d, roll, cumsum, conv, ...) | fallback: gather to Global, warn |
-"""
+"""  # noqa: E501 (a Markdown table: its rows cannot wrap)
 
 from __future__ import annotations
 
