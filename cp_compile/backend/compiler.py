@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..group import resolve_group
+from ..ring.call_spec import pass_timeout
 from .aot_cache import aot_cache_config
 from .batch_guard import guard_same_batch
 from ..options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)
@@ -185,7 +186,7 @@ def _set_ring_timeout(gm: fx.GraphModule, timeout: Optional[float]) -> None:
     for module in gm.modules():  # a selective-AC region's body too (passes/region_outline.py)
         if isinstance(module, fx.GraphModule):
             for node in module.graph.find_nodes(op="call_function", target=fwd):
-                node.kwargs = {**node.kwargs, "timeout": float(timeout)}
+                pass_timeout(node, timeout)  # the op's argument and its RingCall alike
             module.recompile()
 
 
