@@ -12,7 +12,8 @@ The passes run *inside* the capture callback: Dynamo drops the placeholders'
 the backend returns, and ``choose_seq_inputs`` needs it.
 
 What the rewritten graph costs each rank (collectives, activation bytes, the masks the
-ring ops receive) is read off its nodes by :mod:`cp_compile.backend.cost`.
+ring ops receive) is read off its nodes by :mod:`cp_compile.backend.cost`; each ring op's call
+(its :class:`cp_compile.ring.call_spec.RingCall`) by :func:`cp_compile.ring.call_spec.ring_call`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import torch.fx as fx
 
 from ..group import CPGroup
 from ..options import LOAD_BALANCES, check_choice
-from ..backend.cost import KINDS, Collective, RingMask, activation_bytes, collectives, nbytes, node_kind  # noqa: F401
-from ..backend.cost import ring_masks
+from ..backend.cost import KINDS, Collective, RingSite, activation_bytes, collectives, nbytes, node_kind  # noqa: F401
+from ..backend.cost import ring_sites
 from ..backend.cost import to_int as _int
 from ..passes.context import RewriteContext, source_line
 from ..passes.analyze.graph_inputs import user_name
@@ -81,7 +82,7 @@ class Report:
     before_rows: List[NodeRow]
     after_rows: List[NodeRow]
     attention: List[Tuple[str, str]]  # (node name, source line) of each SDPA in the original graph
-    masks: List[RingMask]  # per attention (same order): the causal/window/attn_mask its ring op is given
+    rings: List[RingSite]  # per attention (same order): its ring op's call and the mask tensors it is given
     shard_inputs: Dict[str, int]  # forward() argument -> sequence dim
     fallbacks: List[FallbackInfo]
     collectives: List[Collective]
@@ -112,12 +113,7 @@ def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_s
     Raises :class:`ExplainError` when tracing fails and CPRewriteError when the
     rewrite refuses the model.
     """
-    if not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"cp_compile: world_size must be an int >= 2 (a CP group of 1 is not rewritten), "
-                         f"got {world_size!r}.")
-    check_choice("load_balance", load_balance, LOAD_BALANCES)
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"cp_compile: rank must be in [0, {world_size}), got {rank!r}.")
+    _check_group(world_size, load_balance, rank)
     ctx = RewriteContext(group=CPGroup(pg=None, rank=rank, size=world_size), load_balance=load_balance, **opts)
     state: Dict[str, Any] = {}
 
@@ -151,6 +147,16 @@ def explain_model(model: torch.nn.Module, example_inputs: Sequence[Any], world_s
     if "before" not in state:
         raise ExplainError("Dynamo produced no graph for this model (nothing to compile?).")
     return _build_report(world_size, load_balance, ctx, **state)
+
+
+def _check_group(world_size: int, load_balance: str, rank: int) -> None:
+    """Raise on a synthetic CP group explain cannot show (the message names the valid values)."""
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"cp_compile: world_size must be an int >= 2 (a CP group of 1 is not rewritten), "
+                         f"got {world_size!r}.")
+    check_choice("load_balance", load_balance, LOAD_BALANCES)
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"cp_compile: rank must be in [0, {world_size}), got {rank!r}.")
 
 
 def _aot_graphs(gm: fx.GraphModule, ex: List[Any]) -> Dict[str, fx.GraphModule]:
@@ -293,7 +299,8 @@ def _rows_after(before: fx.GraphModule, after: fx.GraphModule, names: Dict[str, 
 
 def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, before: fx.GraphModule,
                   after: fx.GraphModule, input_names: Dict[str, str],
-                  aot_forward: Optional[fx.GraphModule] = None, aot_backward: Optional[fx.GraphModule] = None) -> Report:
+                  aot_forward: Optional[fx.GraphModule] = None,
+                  aot_backward: Optional[fx.GraphModule] = None) -> Report:
     """The :class:`Report` of one rewrite; every per-rank figure is read off ``after``."""
     attention = [(n.name, source_line(n)) for n in ctx.attention]
     before_rows = _rows_before(before, input_names)
@@ -302,7 +309,7 @@ def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, befor
     shard_inputs = {input_names.get(k, k): d for k, d in ctx.shard_inputs.items()}
     fallbacks, gathers = _fallbacks(before, after, ctx) if rewritten else ([], [])
     return Report(world_size, load_balance, before, after, ctx, input_names, before_rows, after_rows, attention,
-                  ring_masks(after, [n for n, _ in attention]) if rewritten else [], shard_inputs, fallbacks,
+                  ring_sites(after, [n for n, _ in attention]) if rewritten else [], shard_inputs, fallbacks,
                   collectives(after, world_size, gathers) if rewritten else [],
                   ctx.record.act_bytes_local, ctx.record.act_bytes_global,  # counted once, by rewrite_for_cp
                   aot_forward, aot_backward)
