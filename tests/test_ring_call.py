@@ -28,8 +28,8 @@ import models
 import packed
 from cp_compile.backend.record import mask_form
 from cp_compile.passes.node_facts import facts, set_facts
-from cp_compile.ring.call_spec import (NOT_DESCRIBED, RING_BWD, RING_FWD, MaskForm, RingCall, pass_timeout,
-                                       read_ring_call, ring_call)
+from cp_compile.passes.ring_call import pass_timeout, ring_call
+from cp_compile.ring.call_spec import NOT_DESCRIBED, RING_BWD, RING_FWD, MaskForm, RingCall, read_ring_call
 from cp_compile.tools.explain import explain_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

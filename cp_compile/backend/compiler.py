@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..group import resolve_group
-from ..ring.call_spec import pass_timeout
+from ..passes.ring_call import pass_timeout
 from .aot_cache import aot_cache_config
 from .batch_guard import guard_same_batch
 from ..options import INNER, BackendOptions  # noqa: F401 (INNER: re-exported)

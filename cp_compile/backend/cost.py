@@ -34,7 +34,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import graph_ops
-from ..ring.call_spec import RING_FWD, RingCall, ring_arguments, ring_call
+from ..passes.ring_call import ring_call
+from ..ring.call_spec import RING_FWD, RingCall, ring_arguments
 
 KINDS = ("ring_attention", "shard", "grad_all_reduce", "grad_all_reduce_bucket", "all_reduce_sum", "gather",
          "grad_scale")

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .cost import TensorHeld, activation_bytes, ring_tensors
 from ..passes.context import RewriteContext, source_line
-from ..ring.call_spec import ring_call
+from ..passes.ring_call import ring_call
 from ..passes.analyze.graph_inputs import user_name
 
 log = logging.getLogger("cp_compile")

@@ -2,12 +2,12 @@
 
 The attention rules (``passes/propagate/rules/attention.py``, ``rules/flex.py``) emit the ring op
 and record its :class:`RingCall` on the node (``facts(node).ring_call``, :func:`emitted_call`);
-:func:`ring_call` returns that description, or reads it off the node by the op's schema, argument
-by argument *name* (:func:`read_ring_call`), where the node is not the emitted one (AOTAutograd's
-graphs, a ring op the user's code called). The record, the cost model and ``cp-compile explain``
-read a ring call only through these, so an argument added to the schema cannot shift what they
-read (tests/test_ring_call.py fails instead until it is described here or in
-:data:`NOT_DESCRIBED`)::
+``cp_compile.passes.ring_call.ring_call`` returns that description, or reads it off the node by
+the op's schema, argument by argument *name* (:func:`read_ring_call`), where the node is not the
+emitted one (AOTAutograd's graphs, a ring op the user's code called). The record, the cost model
+and ``cp-compile explain`` read a ring call only through these, so an argument added to the
+schema cannot shift what they read (tests/test_ring_call.py fails instead until it is described
+here or in :data:`NOT_DESCRIBED`)::
 
     ring_attention_fwd(q, k, v, True, 0.125, "0", "zigzag", "p2p", "auto", -1, window=16, doc_ids=ids)
       -> RingCall(causal=True, scale=0.125, group_name="0", load_balance="zigzag", rotate="p2p",
@@ -23,14 +23,13 @@ them are graph values (``meta["val"]``), which :func:`ring_arguments` finds by n
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
 from . import ops as _ops  # noqa: F401  (registers the ring ops read below)
-from ..passes.node_facts import facts, set_facts
 
 RING_FWD = torch.ops.cp_compile.ring_attention_fwd.default
 RING_BWD = torch.ops.cp_compile.ring_attention_bwd.default
@@ -143,20 +142,6 @@ def emitted_call(heads: Optional[Tuple[int, int]], **arguments: Any) -> RingCall
     """The :class:`RingCall` of the arguments a rule passes to the ring op (by name; the omitted ones
     take the schema's defaults), ``heads`` = (H_q, H_kv) of its q and k."""
     return _describe(arguments, heads)
-
-
-def ring_call(node: fx.Node) -> RingCall:
-    """The description of a ring op node: the one its rule recorded, else :func:`read_ring_call`."""
-    emitted = facts(node).ring_call
-    return emitted if emitted is not None else read_ring_call(node)
-
-
-def pass_timeout(node: fx.Node, timeout: float) -> None:
-    """Give a ring op node ``timeout`` (seconds each ring wait may take), its description updated alike."""
-    node.kwargs = {**node.kwargs, "timeout": float(timeout)}
-    emitted = facts(node).ring_call
-    if emitted is not None:
-        set_facts(node, ring_call=replace(emitted, timeout=float(timeout)))
 
 
 def _describe(a: Mapping[str, Any], heads: Optional[Tuple[int, int]]) -> RingCall:

@@ -13,7 +13,7 @@ the backend returns, and ``choose_seq_inputs`` needs it.
 
 What the rewritten graph costs each rank (collectives, activation bytes, the masks the
 ring ops receive) is read off its nodes by :mod:`cp_compile.backend.cost`; each ring op's call
-(its :class:`cp_compile.ring.call_spec.RingCall`) by :func:`cp_compile.ring.call_spec.ring_call`.
+(its :class:`cp_compile.ring.call_spec.RingCall`) by :func:`cp_compile.passes.ring_call.ring_call`.
 """
 
 from __future__ import annotations
