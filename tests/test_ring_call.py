@@ -10,7 +10,7 @@ the node by the op's schema). Here, through ``explain_model`` (the rewrite with 
   one read off AOTAutograd's forward and backward ring ops too;
 - every argument of the ring op's schemas is a field of RingCall / MaskForm or listed in
   ``NOT_DESCRIBED``, so an argument added to the schema fails here instead of silently shifting
-  what explain reads;
+  what explain reads; and every described argument is read (none keeps its default when passed);
 - the readers take the emitted description, and the backend's timeout reaches it.
 """
 
@@ -123,6 +123,30 @@ def test_every_schema_argument_is_described_or_listed() -> None:
         assert not both, (op, both)
     listed = set(NOT_DESCRIBED) - {a.name for op in (RING_FWD, RING_BWD) for a in op._schema.arguments}
     assert not listed, f"NOT_DESCRIBED names arguments the schemas lack: {listed}"
+
+
+def test_every_described_argument_is_read() -> None:
+    """A ring node passing every argument away from its default: each field named after a schema
+    argument differs from its default in the description read by schema (none is left unread)."""
+    graph = torch.fx.Graph()
+    t = [graph.placeholder(name) for name in ("q", "k", "v", "mask", "ids", "buf", "table")]
+    flags = {"causal": True, "scale": 0.5, "group_name": "g", "load_balance": "striped", "rotate": "a2a",
+             "kernel": "aten", "valid_len": 7, "timeout": 3.0, "window": 5}
+    node = graph.call_function(RING_FWD, (*t[:3], *flags.values()), {
+        "attn_mask": t[3], "doc_ids": t[4], "mods": "mods:unregistered", "mask_buffers": [t[5]],
+        "score_buffers": [t[5], t[5]], "positions": t[6]})
+    call = read_ring_call(node)
+    described = {**{f.name: getattr(call, f.name) for f in dataclasses.fields(RingCall)},
+                 **{f.name: getattr(call.mask, f.name) for f in dataclasses.fields(MaskForm)}}
+    defaults = {f.name: f.default for cls in (RingCall, MaskForm) for f in dataclasses.fields(cls)}
+    for arg in RING_FWD._schema.arguments:
+        if arg.name in NOT_DESCRIBED:
+            continue
+        if arg.name in flags:
+            assert described[arg.name] == flags[arg.name], (arg.name, call)
+        else:
+            assert described[arg.name] != defaults[arg.name], (arg.name, call)
+    assert call.mask_form == "causal + window 5 + documents + explicit + mods mods:unregistered", call.mask_form
 
 
 def test_readers_take_the_emitted_description_and_the_timeout_reaches_it() -> None:
