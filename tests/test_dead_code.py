@@ -46,7 +46,7 @@ def test_no_dead_values_after_the_rewrite() -> None:
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in range(2))
     report = explain_model(CausalEncoderLM(), (tokens, labels), world_size=2)
-    assert report.rewritten and [m.causal for m in report.masks] == [True, True], report.masks
+    assert report.rewritten and [m.call.causal for m in report.rings] == [True, True], report.rings
     assert _dead(report.after) == [], _dead(report.after)
     targets = {n.target for n in report.after.graph.nodes}
     assert not targets & {torch.full, torch.triu, "triu", "full"}, sorted(map(str, targets))

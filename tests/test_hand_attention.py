@@ -158,7 +158,7 @@ def test_causal_triu_mask_becomes_the_causal_flag() -> None:
         assert ring.args[3] is True and "attn_mask" not in ring.kwargs, (ring.args, ring.kwargs)
     after = {n.target for n in report.after.graph.nodes}
     assert not after & {torch.triu, torch.ones, F.softmax, "masked_fill"}, after
-    assert [(m.causal, m.mask) for m in report.masks] == [(True, None)] * 2, report.masks
+    assert [(m.call.causal, m.tensors.attn_mask) for m in report.rings] == [(True, None)] * 2, report.rings
 
 
 def test_fused_sdpa_keeps_the_source_line() -> None:

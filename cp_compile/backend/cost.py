@@ -2,8 +2,9 @@
 and the attention masks the ring ops receive (for ``cp-compile explain``).
 
 Everything here reads the graph the runtime runs (the output of ``rewrite_for_cp``,
-with rank 0's fake values in ``meta["val"]``): the ring ops' own arguments, the
-collectives' own operands. Nothing re-derives what the rewrite decided, so the
+with rank 0's fake values in ``meta["val"]``): the ring ops' own calls (their
+:class:`cp_compile.ring.call_spec.RingCall`, and the per-rank values of their k, v and mask
+tensors, :func:`ring_tensors`), the collectives' own operands. Nothing re-derives what the rewrite decided, so the
 report cannot drift from what the backend does (the "one code path" rule).
 
 Byte counts are per rank and per training step (one forward and one backward of
@@ -33,13 +34,11 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import graph_ops
+from ..passes.ring_call import ring_call
+from ..ring.call_spec import RING_FWD, RingCall, ring_arguments
 
 KINDS = ("ring_attention", "shard", "grad_all_reduce", "grad_all_reduce_bucket", "all_reduce_sum", "gather",
          "grad_scale")
-RING_FWD = torch.ops.cp_compile.ring_attention_fwd.default
-# ring_attention_fwd(q, k, v, causal, scale, group_name, load_balance, rotate, kernel, valid_len, timeout,
-#                    window, attn_mask): positions of the arguments read here (cp_compile/ring/ops.py)
-_RING_ARGS = {"k": 1, "v": 2, "causal": 3, "window": 11, "attn_mask": 12}
 
 
 @dataclass
@@ -53,18 +52,38 @@ class Collective:
     detail: str = ""
 
 
-@dataclass
-class RingMask:
-    """What one ring op applies besides the sequence layout: its ``causal``/``window``
-    arguments and its ``attn_mask`` tensor, as the rewritten graph passes them."""
+@dataclass(frozen=True)
+class TensorHeld:
+    """One tensor operand of a ring op as this rank holds it (its per-rank fake value)."""
 
-    causal: bool
-    window: int  # > 0: causal sliding window of that many keys; -1: none
-    mask: Optional[str] = None  # name of the attn_mask node, or None (masking by position only)
-    shape: Optional[Tuple[Any, ...]] = None  # this rank's attn_mask shape (B|1, H|1, c|1, S_pad)
+    node: str  # the argument's node ("" for a value that is no graph node)
+    shape: Optional[Tuple[Any, ...]] = None  # per-rank shape; None: no fake value (size unknown)
     dtype: str = ""
-    bytes: int = 0  # bytes the attn_mask tensor holds on this rank
-    per_query: bool = False  # rows differ by query (O(S^2 / N)), else one row for every query (O(B·S))
+    bytes: int = 0  # bytes the tensor holds (dims broadcast by expand, stride 0, hold nothing)
+    nbytes: int = 0  # bytes of its elements
+    numel: Any = 0
+    per_query: bool = False  # a mask whose rows differ by query (O(S^2 / N)), else one row for every query
+
+
+@dataclass(frozen=True)
+class RingTensors:
+    """The tensors of one ring op (:func:`ring_tensors`) that the record, the cost model and explain size."""
+
+    k: Optional[TensorHeld] = None
+    v: Optional[TensorHeld] = None
+    attn_mask: Optional[TensorHeld] = None
+    doc_ids: Optional[TensorHeld] = None
+    mask_buffers: Tuple[TensorHeld, ...] = ()
+    score_buffers: Tuple[TensorHeld, ...] = ()
+
+
+@dataclass(frozen=True)
+class RingSite:
+    """One ring op of a rewritten graph: the attention it replaced, its call, what this rank holds for it."""
+
+    attention: str  # the original attention node's name
+    call: RingCall
+    tensors: RingTensors
     shared_with: str = ""  # an earlier attention given the very same attn_mask node
 
 
@@ -177,39 +196,45 @@ def _scaled_nbytes(val: Any, length: Any, k: int) -> int:
         return nbytes(val)
 
 
-def ring_arg(node: fx.Node, name: str, default: Any = None) -> Any:
-    """Argument ``name`` of a ring_attention_fwd node, by position or keyword."""
-    i = _RING_ARGS[name]
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _val(arg: Any) -> Any:
     """The per-rank fake value of a node argument (None for constants)."""
     return arg.meta.get("val") if isinstance(arg, fx.Node) else None
 
 
-def ring_masks(after: fx.GraphModule, attention: List[str]) -> List[RingMask]:
-    """The mask each ring op of ``after`` applies, in graph order: the rewrite emits one ring op
-    per original attention, in the original order, so ``attention`` (their names) labels them."""
+def _held(arg: Any) -> TensorHeld:
+    """What this rank holds of one tensor argument of a ring op."""
+    val, name = _val(arg), arg.name if isinstance(arg, fx.Node) else ""
+    if not isinstance(val, torch.Tensor):
+        return TensorHeld(name)
+    per_query = val.dim() >= 2 and to_int(val.shape[-2]) != 1 and to_int(val.stride(-2)) != 0
+    return TensorHeld(name, tuple(to_int(d) for d in val.shape), str(val.dtype).removeprefix("torch."),
+                      stored_bytes(val), nbytes(val), to_int(val.numel()), per_query)
+
+
+def ring_tensors(node: fx.Node) -> RingTensors:
+    """What this rank holds of a ring op's k, v and mask tensors, found by argument name
+    (:func:`cp_compile.ring.call_spec.ring_arguments`)."""
+    a = ring_arguments(node)
+    one = {key: None if a[key] is None else _held(a[key]) for key in ("k", "v", "attn_mask", "doc_ids")}
+    lists = {key: tuple(_held(b) for b in (a[key] or ()) if b is not None) for key in ("mask_buffers", "score_buffers")}
+    return RingTensors(**one, **lists)
+
+
+def ring_sites(after: fx.GraphModule, attention: List[str]) -> List[RingSite]:
+    """Each ring op of ``after``, in graph order: the rewrite emits one ring op per original attention,
+    in the original order, so ``attention`` (their names) labels them."""
     rings = [n for n in after.graph.nodes if node_kind(n) == "ring_attention"]
     if len(rings) != len(attention):
         raise AssertionError(f"cp_compile: {len(attention)} attention node(s) but {len(rings)} ring op(s) in the "
                              "rewritten graph; please report this model.")
-    out: List[RingMask] = []
-    first_user: Dict[fx.Node, str] = {}
+    out: List[RingSite] = []
+    first_user: Dict[str, str] = {}
     for ring, name in zip(rings, attention):
-        causal, window, mask = ring_arg(ring, "causal"), ring_arg(ring, "window", -1), ring_arg(ring, "attn_mask")
-        if not isinstance(mask, fx.Node):
-            out.append(RingMask(bool(causal), int(window)))
-            continue
-        val = _val(mask)
-        tensor = isinstance(val, torch.Tensor)
-        per_query = tensor and val.dim() >= 2 and to_int(val.shape[-2]) != 1 and to_int(val.stride(-2)) != 0
-        out.append(RingMask(bool(causal), int(window), mask.name,
-                            tuple(to_int(d) for d in val.shape) if tensor else None,
-                            str(val.dtype).removeprefix("torch.") if tensor else "", stored_bytes(val), per_query,
-                            first_user.get(mask, "")))
-        first_user.setdefault(mask, name)
+        tensors = ring_tensors(ring)
+        mask = tensors.attn_mask.node if tensors.attn_mask is not None else ""
+        out.append(RingSite(name, ring_call(ring), tensors, first_user.get(mask, "") if mask else ""))
+        if mask:
+            first_user.setdefault(mask, name)
     return out
 
 
@@ -219,9 +244,10 @@ def collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> 
     rings = [n for n in nodes if node_kind(n) == "ring_attention"]
     kv_hop, acc_hop = 0, 0
     for r in rings:
-        k, v = _val(ring_arg(r, "k")), _val(ring_arg(r, "v"))
-        kv_hop += nbytes(k) + nbytes(v)
-        acc_hop += (to_int(k.numel()) + to_int(v.numel())) * 4 if k is not None and v is not None else 0
+        held = ring_tensors(r)
+        k, v = held.k or TensorHeld(""), held.v or TensorHeld("")
+        kv_hop += k.nbytes + v.nbytes
+        acc_hop += (k.numel + v.numel) * 4 if k.shape is not None and v.shape is not None else 0
     hops = n_ranks - 1
     out: List[Collective] = []
     if rings:
@@ -238,9 +264,9 @@ def collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> 
     if rings:
         out.append(Collective("backward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
                               f"{len(rings)} attention x {hops} hop(s)"))
+        per_hop = acc_hop // max(len(rings), 1)
         out.append(Collective("backward", "ring dK/dV send+recv (fp32)", len(rings) * n_ranks, acc_hop * n_ranks,
-                              f"{len(rings)} attention x {n_ranks} hop(s), "
-                              f"{acc_hop // max(len(rings), 1):,} B per hop"))
+                              f"{len(rings)} attention x {n_ranks} hop(s), {per_hop:,} B per hop"))
     out += _grad_collectives(nodes)
     if ar:
         out.append(Collective("backward", "all_reduce (gradient of the global loss)", len(ar), ar_bytes))

@@ -7,8 +7,8 @@ disagree about what a model gets. A graph with attention but little of its activ
 memory sharded is logged as a WARNING (once per attention line).
 
 ``masks`` says, for each ring op of the rewritten graph (in the order of ``attention``), the
-form of its mask and the bytes each rank holds for it, read off the op's arguments (so any
-rule that emits the ring op is described alike)::
+form of its mask (its :class:`cp_compile.ring.call_spec.RingCall`'s ``mask_form``) and the bytes
+each rank holds for it (the per-rank values of its mask tensors, ``cost.ring_tensors``)::
 
     causal + documents; per rank: doc_ids (2, 4096) int64 64.0 KiB
     causal + window 16 + explicit; per rank: attn_mask (2, 1, 1, 4096) float32 32.0 KiB
@@ -17,17 +17,16 @@ rule that emits the ring op is described alike)::
 
 from __future__ import annotations
 
-import functools
-
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
 
-from .cost import activation_bytes, stored_bytes, to_int
+from .cost import TensorHeld, activation_bytes, ring_tensors
 from ..passes.context import RewriteContext, source_line
+from ..passes.ring_call import ring_call
 from ..passes.analyze.graph_inputs import user_name
 
 log = logging.getLogger("cp_compile")
@@ -102,12 +101,6 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
     return rec
 
 
-def _ring_args(node: fx.Node) -> Dict[str, object]:
-    """The arguments of a ring_attention_fwd node by name (positional or keyword; defaults left out)."""
-    names = [a.name for a in torch.ops.cp_compile.ring_attention_fwd.default._schema.arguments]
-    return {**dict(zip(names, node.args)), **node.kwargs}
-
-
 def _human(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -115,63 +108,27 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _tensor_cost(name: str, arg: object) -> Tuple[str, int]:
+def _tensor_cost(name: str, held: TensorHeld) -> Tuple[str, int]:
     """``"name (shape) dtype bytes"`` of a tensor argument (its per-rank fake value), and the bytes."""
-    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-    if not isinstance(val, torch.Tensor):
+    if held.shape is None:
         return f"{name} (size unknown)", 0
-    n = stored_bytes(val)
-    shape = tuple(to_int(d) for d in val.shape)
-    return f"{name} {shape} {str(val.dtype).removeprefix('torch.')} {_human(n)}", n
+    return f"{name} {held.shape} {held.dtype} {_human(held.bytes)}", held.bytes
 
 
 def mask_form(node: fx.Node) -> str:
-    """One ring op's mask: ``causal`` / ``window W`` / ``documents`` / ``explicit`` / ``mask_mod`` /
-    ``score_mod`` joined by ``+`` (``full`` when none), and what each rank holds for it."""
-    a = _ring_args(node)
-    form = ["causal"] if a.get("causal") else []
-    if isinstance(a.get("window"), int) and a["window"] > 0:
-        form.append(f"window {a['window']}")
-    costs = []
-    if a.get("doc_ids") is not None:
-        form.append("documents")
-        costs.append(_tensor_cost("doc_ids", a["doc_ids"]))
-    if a.get("attn_mask") is not None:
-        form.append("explicit")
-        costs.append(_tensor_cost("attn_mask", a["attn_mask"]))
-    if a.get("mods"):
-        form += _mod_names(str(a["mods"]))
-    for key in ("mask_buffers", "score_buffers"):
-        bufs = [b for b in (a.get(key) or []) if b is not None]
+    """One ring op's mask, :attr:`cp_compile.ring.call_spec.RingCall.mask_form` (``causal`` /
+    ``window W`` / ``documents`` / ``explicit`` / ``mask_mod`` / ``score_mod`` joined by ``+``,
+    ``full`` when none), and what each rank holds for it."""
+    held = ring_tensors(node)
+    costs = [_tensor_cost(name, t) for name, t in (("doc_ids", held.doc_ids), ("attn_mask", held.attn_mask))
+             if t is not None]
+    for key, bufs in (("mask_buffers", held.mask_buffers), ("score_buffers", held.score_buffers)):
         if bufs:
-            n = sum(_tensor_cost(key, b)[1] for b in bufs)
+            n = sum(b.bytes for b in bufs)
             costs.append((f"{key} {len(bufs)} tensor(s) {_human(n)}", n))
-    held = "; per rank: " + ", ".join(c for c, _ in costs) if costs else "; per rank: no mask tensor"
+    held_text = "; per rank: " + ", ".join(c for c, _ in costs) if costs else "; per rank: no mask tensor"
     total = f" (total {_human(sum(n for _, n in costs))})" if len(costs) > 1 else ""
-    return " + ".join(form or ["full"]) + held + total
-
-
-def _mod_names(key: str) -> List[str]:
-    """``mask_mod`` / ``score_mod`` (with the function's name) of a registered mods key."""
-    try:
-        from ..ring.mods import lookup
-
-        mods = lookup(key)
-    except Exception:  # an unknown key: the op would refuse it at run time
-        return [f"mods {key}"]
-    out = []
-    for kind in ("mask_mod", "score_mod"):
-        fn = getattr(mods, kind, None)
-        if fn is not None:
-            out.append(f"{kind} {_fn_name(fn)}")
-    return out
-
-
-def _fn_name(fn: Any) -> str:
-    """A mod's name (a ``functools.partial`` has none unless given one, as rules/flex.py does)."""
-    if isinstance(fn, functools.partial) and not hasattr(fn, "__name__"):
-        return f"partial of {getattr(fn.func, '__name__', type(fn.func).__name__)}"
-    return getattr(fn, "__name__", type(fn).__name__)
+    return ring_call(node).mask_form + held_text + total
 
 
 def mask_forms(after: fx.GraphModule) -> List[str]:

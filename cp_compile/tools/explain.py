@@ -13,7 +13,8 @@ The passes run *inside* the capture callback: Dynamo drops the placeholders'
 the backend returns, and ``choose_seq_inputs`` needs it.
 
 What the rewritten graph costs each rank (collectives, activation bytes, the masks the
-ring ops receive) is read off its nodes by :mod:`cp_compile.backend.cost`.
+ring ops receive) is read off its nodes by :mod:`cp_compile.backend.cost`; each ring op's call
+(its :class:`cp_compile.ring.call_spec.RingCall`) by :func:`cp_compile.passes.ring_call.ring_call`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch.fx as fx
 
 from ..group import CPGroup
 from ..options import LOAD_BALANCES, RewriteOptions, check_choice
-from ..backend.cost import KINDS, Collective, RingMask, activation_bytes, collectives, nbytes, node_kind  # noqa: F401
-from ..backend.cost import ring_masks
+from ..backend.cost import KINDS, Collective, RingSite, activation_bytes, collectives, nbytes, node_kind  # noqa: F401
+from ..backend.cost import ring_sites
 from ..backend.cost import to_int as _int
 from ..passes.context import RewriteContext, source_line
 from ..passes.node_facts import facts
@@ -83,7 +84,7 @@ class Report:
     before_rows: List[NodeRow]
     after_rows: List[NodeRow]
     attention: List[Tuple[str, str]]  # (node name, source line) of each SDPA in the original graph
-    masks: List[RingMask]  # per attention (same order): the causal/window/attn_mask its ring op is given
+    rings: List[RingSite]  # per attention (same order): its ring op's call and the mask tensors it is given
     shard_inputs: Dict[str, int]  # forward() argument -> sequence dim
     fallbacks: List[FallbackInfo]
     collectives: List[Collective]
@@ -311,7 +312,7 @@ def _build_report(world_size: int, load_balance: str, ctx: RewriteContext, befor
     shard_inputs = {input_names.get(k, k): d for k, d in ctx.shard_inputs.items()}
     fallbacks, gathers = _fallbacks(before, after, ctx) if rewritten else ([], [])
     return Report(world_size, load_balance, before, after, ctx, input_names, before_rows, after_rows, attention,
-                  ring_masks(after, [n for n, _ in attention]) if rewritten else [], shard_inputs, fallbacks,
+                  ring_sites(after, [n for n, _ in attention]) if rewritten else [], shard_inputs, fallbacks,
                   collectives(after, world_size, gathers) if rewritten else [],
                   ctx.record.act_bytes_local, ctx.record.act_bytes_global,  # counted once, by rewrite_for_cp
                   aot_forward, aot_backward)

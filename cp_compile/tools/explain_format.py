@@ -7,7 +7,7 @@ from typing import List
 
 import torch.fx as fx
 
-from .explain import NodeRow, Report, RingMask, format_shape, short_source
+from .explain import NodeRow, Report, RingSite, format_shape, short_source
 from ..passes.context import source_line
 
 # ---------------------------------------------------------------------------------- text output
@@ -19,20 +19,21 @@ def human(n: int) -> str:
     return f"{n:,} B"
 
 
-def describe_mask(m: RingMask, form: str = "") -> str:
-    """What a ring op masks by position (causal flag, window), by document ids and mods (from the
-    record's ``form``, :func:`cp_compile.backend.record.mask_form`), and the explicit attn_mask it is
-    given, with that tensor's per-rank shape, dtype and bytes."""
-    parts = form.split(";")[0].split(" + ") if form else []
-    by_ids = [p for p in parts if p == "documents" or p.startswith(("mask_mod", "score_mod", "mods"))]
-    position = ("causal" + (f", window {m.window}" if m.window > 0 else "") + " by position") if m.causal else ""
+def describe_mask(site: RingSite) -> str:
+    """What a ring op masks by position (causal flag, window), by document ids and mods (the words of
+    its :class:`cp_compile.ring.call_spec.RingCall`), and the explicit attn_mask it is given, with that
+    tensor's per-rank shape, dtype and bytes."""
+    call, m = site.call, site.tensors.attn_mask
+    by_ids = [w for w in call.mask_words if w == "documents" or w.startswith(("mask_mod", "score_mod", "mods"))]
+    window = call.mask.window
+    position = ("causal" + (f", window {window}" if window > 0 else "") + " by position") if call.causal else ""
     if by_ids:
-        position = ", ".join(x for x in [position] + ["documents by their ids" if p == "documents" else p
-                                                       for p in by_ids] if x)
-    if m.mask is None:
+        position = ", ".join(x for x in [position] + ["documents by their ids" if w == "documents" else w
+                                                       for w in by_ids] if x)
+    if m is None or not m.node:
         return f"{position} (no mask tensor)" if position else "none (full attention, no mask tensor)"
     rows = "this rank's query rows over all keys, O(S^2 / N)" if m.per_query else "one row for every query, O(B·S)"
-    shared = f"; the same tensor as {m.shared_with}'s" if m.shared_with else ""
+    shared = f"; the same tensor as {site.shared_with}'s" if site.shared_with else ""
     explicit = f"explicit attn_mask {m.shape} {m.dtype} per rank, {human(m.bytes)}: {rows}{shared}"
     return f"{position}, and {explicit}" if position else explicit
 
@@ -59,9 +60,9 @@ def format_explain(r: Report, target: str = "") -> str:
     lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
     w = max(len(n) for n, _ in r.attention)
     forms = ctx.record.masks if ctx.record is not None else []  # the record's: the runtime's words too
-    for i, ((n, s), mask) in enumerate(zip(r.attention, r.masks)):  # what each ring op is given (rewritten graph)
+    for i, ((n, s), site) in enumerate(zip(r.attention, r.rings)):  # what each ring op is given (rewritten graph)
         form = forms[i] if i < len(forms) else ""
-        lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(mask, form)}"]
+        lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(site)}"]
         if form:
             lines.append(f"  {'':<{w}}  mask form: {form}")
     lines += [f"  WARNING: attention that ring_cp cannot split (run on the gathered sequence), at {u}"
@@ -110,14 +111,14 @@ def format_rows(rows: List[NodeRow], after: bool) -> List[str]:
         cols.append(("*" if r.marked else " ", r.name, r.kind or "-", r.target, shape, short_source(r.source)))
     caps = (1, 32, 22, 28, 40)  # longer entries overflow their column rather than widen it for every row
     widths = [min(max((len(c[i]) for c in cols), default=0), cap) for i, cap in enumerate(caps)]
-    return [f"{c[0]} {c[1]:<{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]:<{widths[3]}}  "
-            f"{c[4]:<{widths[4]}}  {c[5]}".rstrip() for c in cols]
+    return [f"{c[0]} {c[1]:<{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]:<{widths[3]}}  {c[4]:<{widths[4]}}  "
+            f"{c[5]}".rstrip() for c in cols]
 
 
 def format_dump_text(r: Report, target: str = "") -> str:
     """The ``dump`` text listing: the Dynamo graph, then the rewritten one (global -> local shapes)."""
-    lines = [f"# cp-compile dump {target}: world size {r.world_size}, "
-             f"load balance {_layout(r.load_balance)}".replace("  ", " "),
+    title = f"# cp-compile dump {target}: world size {r.world_size}, load balance {_layout(r.load_balance)}"
+    lines = [title.replace("  ", " "),
              "# columns: name  kind  target  shape  source line;  * = inserted or rewritten by ring_cp",
              "", f"== before: the Dynamo graph ({len(r.before_rows)} nodes), global shapes"]
     lines += format_rows(r.before_rows, after=False)

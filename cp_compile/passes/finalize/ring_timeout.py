@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..context import RewriteContext
+from ..ring_call import pass_timeout
 
 
 def set_ring_timeout(gm: fx.GraphModule, ctx: RewriteContext) -> None:
@@ -26,5 +27,5 @@ def set_ring_timeout(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             for node in module.graph.find_nodes(op="call_function", target=fwd):
-                node.kwargs = {**node.kwargs, "timeout": float(timeout)}
+                pass_timeout(node, timeout)  # the op's argument and its recorded RingCall alike
             module.recompile()

@@ -5,14 +5,16 @@ from __future__ import annotations
 import inspect
 import math
 import operator
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from .... import graph_ops
+from ....ring.call_spec import RING_FWD, emitted_call
 from ...context import CPRewriteError, global_shape, log, source_line
+from ...node_facts import set_facts
 from ...analyze.find_attention import SDPA_TARGETS, sdpa_arg
 from ..placements import GLOBAL, Sharded
 from ...analyze.masks.documents import doc_ids_value, whole
@@ -96,16 +98,27 @@ def sdpa(em, node: fx.Node):
     if hk != hv or hq % hk:
         raise CPRewriteError(f"cp_compile: attention at {source_line(node)} has q/k/v heads {hq}/{hk}/{hv}; "
                              "need H % H_kv == 0 and equal k/v heads.")
-    ctx = em.ctx
     if em.index.table is not None:  # load_balance="documents": this call's layout (passes/doc_table.py)
         masks["positions"] = em.index.table
     qkv, dv = _equal_head_dims(em, *(_as_seq_sharded(em, x, node) for x in (q, k, v)), global_shape(q)[-1],
                                global_shape(v)[-1])
-    out = em.call(torch.ops.cp_compile.ring_attention_fwd.default, *qkv, causal, float(scale),
-                  ctx.group.name, ctx.options.load_balance, ctx.options.rotate, ctx.options.kernel,
-                  em.index.valid_len(), **masks)
+    out = emit_ring(em, qkv, (hq, hk), causal, float(scale), masks)
     out = em.call(operator.getitem, out, 0)  # (B, H, c, max(D_qk, D_v))
     return (out if dv is None else em.call(operator.getitem, out, (Ellipsis, slice(None, dv)))), Sharded(2)
+
+
+def emit_ring(em, qkv: Tuple[fx.Node, fx.Node, fx.Node], heads: Tuple[int, int], causal: bool, scale: float,
+              masks: Dict[str, Any]) -> fx.Node:
+    """The ring op on this rank's (q, k, v), ``masks`` its masking keyword arguments; the call's
+    description (:class:`cp_compile.ring.call_spec.RingCall`, ``heads`` = (H_q, H_kv)) recorded on it."""
+    ctx = em.ctx
+    opts = ctx.options
+    flags = {"causal": causal, "scale": scale, "group_name": ctx.group.name,  # in the schema's order
+             "load_balance": opts.load_balance, "rotate": opts.rotate, "kernel": opts.kernel,
+             "valid_len": em.index.valid_len()}
+    ring = em.call(RING_FWD, *qkv, *flags.values(), **masks)  # -> (out (B, H, c, D), lse (B, H, c))
+    set_facts(ring, ring_call=emitted_call(heads, **flags, **masks))
+    return ring
 
 
 def _equal_head_dims(em, q: fx.Node, k: fx.Node, v: fx.Node, d_qk: int, d_v: int):

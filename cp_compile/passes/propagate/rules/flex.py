@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from ...context import CPRewriteError, source_line
+from ...context import CPRewriteError, global_shape, source_line
 from ...analyze.find_flex import FLEX_HOP, parse_flex
 from ..placements import Sharded
-from .attention import _as_seq_sharded
+from .attention import _as_seq_sharded, emit_ring
 
 LOG2E = 1.0 / math.log(2.0)  # flex's op gives lse in log2 units (flex multiplies by ln 2 after it)
 
@@ -96,13 +96,10 @@ def flex(em, node: fx.Node) -> Tuple[Any, Any]:
             extra["mask_buffers"] = [_whole(em, b, node) for b in spec.mask_buffers]
         if spec.score_buffers:
             extra["score_buffers"] = [_whole(em, b, node) for b in spec.score_buffers]
-    ctx = em.ctx
     if em.index.table is not None:  # load_balance="documents" (passes/doc_table.py)
         extra["positions"] = em.index.table
-    ring = em.call(torch.ops.cp_compile.ring_attention_fwd.default, _as_seq_sharded(em, q, node),
-                   _as_seq_sharded(em, k, node), _as_seq_sharded(em, v, node), False, spec.scale,
-                   ctx.group.name, ctx.options.load_balance, ctx.options.rotate, ctx.options.kernel,
-                   em.index.valid_len(), **extra)
+    qkv = tuple(_as_seq_sharded(em, x, node) for x in (q, k, v))
+    ring = emit_ring(em, qkv, (global_shape(q)[1], global_shape(k)[1]), False, spec.scale, extra)
     _drop_subgraph_reads(em, node)
     return em.call(flex_outputs, ring, spec.lse_log2), (Sharded(2), Sharded(2), None)
 
