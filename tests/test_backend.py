@@ -82,6 +82,7 @@ def _kv_heads_on_the_ring(gqa_mode: str):
             for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gqa_mode", ["enable_gqa", "repeat_interleave", "expand"])
 def test_gqa_ships_only_the_kv_heads(ranks, gqa_mode):
     """Whatever way the model repeats K/V heads, the ring carries H_kv = 2 heads, not H = 4."""
@@ -89,6 +90,7 @@ def test_gqa_ships_only_the_kv_heads(ranks, gqa_mode):
         assert heads == [2, 2], heads
 
 
+@pytest.mark.slow
 def test_llama_on_four_ranks(ranks):
     for loss_err, grad_err, fallbacks, summary in ranks.run(4, _compare, "llama_factory", {}, {}):
         assert loss_err <= TOL and grad_err <= TOL and fallbacks == 0
@@ -98,6 +100,7 @@ def test_llama_on_four_ranks(ranks):
         assert summary["all_reduce_sum"] == 2  # loss sum and valid-label count, nothing else
 
 
+@pytest.mark.slow
 def test_label_shift_inside_model_is_exact_without_a_gather(ranks):
     """logits[:, :-1] against labels[:, 1:]: the loss runs on the whole logits with the labels
     padded by ignore_index (passes/loss_shift.py), so nothing is gathered (tests/test_zoo_shift.py)."""
@@ -153,6 +156,7 @@ def _grad_sync_none():
     return shares, grad_errors(cp_model, ref_model), ring_mismatches(backend, count.calls)
 
 
+@pytest.mark.slow
 def test_grad_sync_none_leaves_shares_that_sum_to_the_gradient(ranks):
     for shares, summed, rings in ranks.run(2, _grad_sync_none):
         assert max(summed.values()) <= TOL and not rings, (summed, rings)
@@ -183,6 +187,7 @@ def _train(steps: int):
     return losses[0::2], losses[1::2], param_err, ring_mismatches(backend, count.calls)
 
 
+@pytest.mark.slow
 def test_twenty_adamw_steps_track_single_device(ranks):
     for ref, cp, param_err, rings in ranks.run(2, _train, 20):
         assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref, cp)), list(zip(ref, cp))
@@ -190,6 +195,7 @@ def test_twenty_adamw_steps_track_single_device(ranks):
         assert param_err <= 1e-4 and not rings, (param_err, rings)
 
 
+@pytest.mark.slow
 def test_without_process_group_the_backend_is_a_passthrough():
     """In the pytest process (no torch.distributed): backend='ring_cp' by name, unchanged numbers;
     a RingCP object with the same options neither rewrites nor records a graph (so there is
@@ -237,6 +243,7 @@ def _graph_break():
             ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 def test_graph_break_between_layers_stays_exact(ranks):
     """Each compiled piece is rewritten on its own; hidden states cross the breaks full.
 
@@ -248,6 +255,7 @@ def test_graph_break_between_layers_stays_exact(ranks):
         assert loss_err <= TOL and grad_err <= TOL and not rings, (loss_err, grad_err, rings)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,factory,kw",
     [
@@ -280,6 +288,7 @@ def _padded_all_labels_valid(seq_len: int):
     return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 def test_padding_rows_never_count_in_the_loss(ranks):
     for loss_err, grad_err, rings in ranks.run(2, _padded_all_labels_valid, 62):
         assert loss_err <= TOL and grad_err <= TOL and not rings, (loss_err, grad_err, rings)
@@ -298,12 +307,14 @@ def _meta_shapes():
     return tuple(q.meta["val"].shape), tuple(q.meta["cp_global_val"].shape)
 
 
+@pytest.mark.slow
 def test_rewritten_graph_metadata_holds_local_and_global_shapes(ranks):
     """S=50 pads to 52 on 2 ranks: each holds 26 tokens; q is (B, H, 26, D) locally, (B, H, 50, D) globally."""
     for local, global_ in ranks.run(2, _meta_shapes):
         assert local == (2, 4, 26, 16) and global_ == (2, 4, 50, 16)
 
 
+@pytest.mark.slow
 def test_backend_name_resolves_without_importing_cp_compile():
     """The torch_dynamo_backends entry point: a fresh interpreter that never imports cp_compile."""
     import subprocess
@@ -333,6 +344,7 @@ def _count_ring_exchanges():
     return [call.args[3] for call in spy.call_args_list]  # the tags: K/V hops vs dK/dV hops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_step_issues_exactly_the_expected_ring_transfers(ranks, world):
     """Per attention layer: N-1 K/V hops forward, N-1 K/V hops + N dK/dV hops backward."""

@@ -39,6 +39,7 @@ def _outputs(mode: str, dynamic):
             ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,dynamic", [("full", None), ("local", None), ("local", True)],
                          ids=["full-static", "local-static", "local-dynamic"])
 def test_outputs_full_and_local(ranks, mode, dynamic):
@@ -79,6 +80,7 @@ def _lengths(dynamic):
     return errs, layouts, len(backend.graphs), ring_mismatches(backend, count.calls, compiles=len(GRAPHS[dynamic]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, None, True], ids=["static", "automatic", "dynamic"])
 def test_changing_sequence_lengths_stay_exact(ranks, dynamic):
     """Static: one graph per length. Automatic (the default): Dynamo makes S symbolic at the
@@ -110,6 +112,7 @@ def _compare_dynamic(factory: str, kw: dict):
     return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "factory,kw",
     [("gpt2_factory", {"seq_len": 37}), ("encoder_factory", {"seq_len": 30}),
@@ -144,6 +147,7 @@ def _local_inputs(dynamic):
     return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
     for res in ranks.run(2, _local_inputs, True):
         assert isinstance(res, tuple), res

@@ -158,6 +158,7 @@ def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
             "ring_mismatches": ring_mismatches(backend, count.calls)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,side,overrides,window", [
     ("llama", "right", {}, -1),
     ("llama", "left", {}, -1),
@@ -210,6 +211,7 @@ def test_a_mask_that_needs_a_gradient_is_refused_with_line_and_fix() -> None:
     assert "requires grad" in text and "test_backend_masks.py:" in text and "Fix:" in text, text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal_padding", "no_upper_bound"])
 def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
     """dynamic=True: one graph serves S = 32 and 30 (padded); the mask rows are built from the

@@ -217,6 +217,7 @@ def test_help_mentions_example(capsys):
         assert "examples/models.py:llama_factory" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dump_backward_stage_shows_the_ring_and_every_gradient_all_reduce(capsys):
     """The per-rank backward graph AOTAutograd makes: 2 ring backward ops, and one all-reduce
     (+ wait) per matrix (16), for the bucket of 1-D norm scales (1) and for the global loss sum (1)."""
@@ -270,6 +271,7 @@ def _without_target(text, target):
     return text.replace(target, "TARGET")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form,reference", [("tensor_only", "ids_positional"), ("kwargs_only", None),
                                             ("args_and_kwargs", None)])
 def test_factory_return_forms_explain_and_dump(forms_factory, form, reference, capsys):
@@ -355,6 +357,7 @@ def packed_with_cache(seq_len=64):   # the KV cache makes Hugging Face ignore pa
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,seq_len", [(2, 64), (4, 60)])
 def test_explain_hf_llama_packed_documents_states_the_document_ids(tmp_path, capsys, world, seq_len):
     """HF Llama called with keywords, position_ids restarting at each document and use_cache=False:

@@ -110,6 +110,7 @@ def _model_runs():
     return runs
 
 
+@pytest.mark.slow
 def test_compiled_model_bitwise_identical_across_runs_and_ranks(ranks):
     per_rank = ranks.run(2, _model_runs, timeout=300)
     ref_loss, ref_grads = per_rank[0][0]

@@ -70,6 +70,7 @@ def _compare(style: str) -> dict:
 CASES = [(style, 2) for style in STYLES] + [(style, 4) for style in FOUR_RANKS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,world", CASES)
 def test_flex_model_is_exact_and_ring_only(ranks, style, world):
     for rank, r in enumerate(ranks.run(world, _compare, style, timeout=300)):
@@ -110,6 +111,7 @@ def _lse_run() -> tuple:
     return [rel(a, b) for a, b in zip(got, ref)], ring_mismatches(backend, 1)  # _WithLse: one flex_attention
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_return_lse_is_the_rings(ranks, world):
     for rank, (errors, rings) in enumerate(ranks.run(world, _lse_run, timeout=120)):
@@ -117,6 +119,7 @@ def test_return_lse_is_the_rings(ranks, world):
 
 
 # ------------------------------------------------------------------- single process
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["document_input", "alibi"])
 def test_reference_is_the_compiled_one_process_run(style):
     """The ranks compare with the eager model: flex compiles its op for one process anyway, and the

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -187,5 +188,5 @@ def _model_test(world: int):
 
 
 test_fuzz_models_world_1 = _model_test(1)
-test_fuzz_models_world_2 = _model_test(2)
-test_fuzz_models_world_4 = _model_test(4)
+test_fuzz_models_world_2 = pytest.mark.slow(_model_test(2))
+test_fuzz_models_world_4 = pytest.mark.slow(_model_test(4))

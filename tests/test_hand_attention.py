@@ -137,6 +137,7 @@ def _compare(name: str) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(2, "causal"), (4, "causal"), (2, "3-d"), (2, "padding")])
 def test_hand_written_attention_becomes_the_ring(ranks, world: int, name: str) -> None:
     for rank, r in enumerate(ranks.run(world, _compare, name, timeout=240)):

@@ -92,6 +92,7 @@ def test_architecture_has_its_outcome(ranks) -> None:
     _check(ranks, FAST)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", list(SLOW))
 def test_slow_architecture_has_its_outcome(ranks, group: str) -> None:
     _check(ranks, SLOW[group])

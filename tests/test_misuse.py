@@ -183,6 +183,7 @@ def test_mode_goes_to_the_inner_inductor():
         backend_mod._with_mode(fake_inductor, "inductor", "fastest")
 
 
+@pytest.mark.slow
 def test_mode_and_options_with_a_ringcp_object(caplog):
     """torch.compile passes mode=/options= to a backend object: RingCP takes both."""
     torch._dynamo.reset()

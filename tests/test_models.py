@@ -113,6 +113,7 @@ def test_encoder_is_bidirectional() -> None:
     assert (after[:, :20] - before[:, :20]).abs().amax(dim=-1).min() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,overrides",
     [

@@ -120,6 +120,7 @@ def _explain(model, ids, labels, options: dict):
 HERE = [key for key, elsewhere in VALUES.items() if elsewhere is None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option,label", HERE, ids=[f"{o}={v}" for o, v in HERE])
 def test_option_value_compiles_runs_and_is_exact(ranks, option, label):
     for rank, (loss_err, grad_err, rings) in enumerate(ranks.run(2, _run_with, option, label, timeout=240)):
@@ -151,6 +152,7 @@ def _decorated_step(label: str):
             ring_mismatches(step.backend, count.calls))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["ProcessGroup WORLD", "ProcessGroup new_group", "DeviceMesh 1-D"])
 def test_decorator_takes_every_mesh_form(ranks, label):
     for rank, (loss_err, grad_err, rings) in enumerate(ranks.run(2, _decorated_step, label, timeout=240)):

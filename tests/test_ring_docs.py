@@ -118,6 +118,7 @@ def _rank_docs(cases, s):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_documents_match_sdpa(ranks, world):
     s, cases = 16 * world, _cases(world)

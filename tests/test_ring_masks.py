@@ -70,6 +70,7 @@ def _rank_window_cases(cases):
                        dict(causal=True, window=c["window"])) for c in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sliding_window_matches_sdpa(ranks, world):
     cases = _window_cases(world)

@@ -253,6 +253,7 @@ def test_learned_buffer_is_refused():
         cp_compile.ring_attention(q, k, v, causal=True, mask_buffers=[_doc_ids(S)])  # no mask_mod reads it
 
 
+@pytest.mark.slow
 def test_traced_ring_attention_is_one_graph_and_exact():
     """torch.compile(fullgraph=True) of ring_attention with doc_ids, a mask_mod and a score_mod (one
     process): the mods key is a trace-time constant, and the result equals eager and the reference."""
@@ -313,6 +314,7 @@ def _opcheck_with_mods():
     return {t: str(r) for t, r in res.items() if r != "SUCCESS"}
 
 
+@pytest.mark.slow
 def test_ring_op_with_mods_passes_opcheck(ranks):
     for rank, failures in enumerate(ranks.run(2, _opcheck_with_mods, timeout=300)):
         assert failures == {}, f"rank {rank}: {failures}"

@@ -7,6 +7,7 @@ same order, so the collectives inside the repeated op calls match up.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -49,6 +50,7 @@ def _opcheck_on_rank():
     return failures
 
 
+@pytest.mark.slow
 def test_ring_custom_ops_pass_opcheck(ranks):
     for rank, failures in enumerate(ranks.run(2, _opcheck_on_rank)):
         assert failures == {}, f"rank {rank}: {failures}"

@@ -198,6 +198,7 @@ def _compare(cases, per_rank, s, world):
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_table_layout_matches_sdpa(ranks, world):
     s, cases = 32 * world, _cases(world)
@@ -216,6 +217,7 @@ def _rank_triton(table, lens, s):
     return out.detach(), ql.grad, kl.grad, vl.grad
 
 
+@pytest.mark.slow
 def test_table_layout_on_triton(ranks):
     s, lens = 64, lognormal_lengths(64, 2)
     table = layout_table(lens, 2)
@@ -316,6 +318,7 @@ def _opcheck_with_table():
     return failures
 
 
+@pytest.mark.slow
 def test_ring_op_with_table_passes_opcheck(ranks):
     for rank, failures in enumerate(ranks.run(2, _opcheck_with_table, timeout=300)):
         assert failures == {}, f"rank {rank}: {failures}"

@@ -25,6 +25,7 @@ import shutil
 import uuid
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -308,6 +309,8 @@ def _llama_inductor_cold_then_warm(cache_dir: str):
     return rounds
 
 
+@pytest.mark.slow
+@pytest.mark.inductor
 def test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits(ranks):
     cache = os.path.join(REPO, ".cache", f"inductor-shared-{uuid.uuid4().hex[:8]}")
     try:

@@ -75,6 +75,7 @@ def _train(steps: int, mode: str):
     return ref_losses, cp_losses, param_err, ring_mismatches(this_call, count.calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,mode", [(2, "function"), (4, "function"), (2, "method"), (2, "local"), (2, "sgd")])
 def test_twenty_decorated_steps_equal_single_process(ranks, world, mode):
     for ref, cp, param_err, rings in ranks.run(world, _train, 20, mode, timeout=300):

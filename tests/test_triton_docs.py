@@ -134,6 +134,7 @@ def check_tiles(counters, q_pos, k_pos, q_doc, k_doc, *, causal: bool, heads: in
     assert fwd_tiles < n["by_position"], what  # the documents skip tiles the positions alone would run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_step_with_documents_matches_fp64_and_skips_tiles(causal):
     """Every case of :func:`step_cases` against fp64; the tile counts where there is no padding or window."""
@@ -152,6 +153,7 @@ def test_step_with_documents_matches_fp64_and_skips_tiles(causal):
                         what=f"{name} causal={causal}")
 
 
+@pytest.mark.slow
 def test_document_kernels_compile_for_real_gpus():
     """The packed-document variant of every kernel passes the real Triton compiler (ptxas
     included) for sm_90, bf16, GQA, causal (test_triton_kernels checks the plain variant)."""
@@ -227,6 +229,7 @@ def launched_steps(case: dict, rank: int, n: int, docs: torch.Tensor) -> int:
     )
 
 
+@pytest.mark.slow
 def test_ring_with_documents_matches_fp64_and_skips_steps(ranks):
     cases = ring_cases()
     per_rank = ranks.run(2, _rank_ring, cases, timeout=300)
@@ -315,6 +318,7 @@ def _same_document(b, h, q_idx, kv_idx, doc):
     return doc[b, q_idx] == doc[b, kv_idx]
 
 
+@pytest.mark.slow
 def test_ring_attention_api_with_doc_ids_on_triton(ranks):
     """``cp_compile.ring_attention(kernel="triton", doc_ids=...)`` with autograd, 2 ranks: exact vs fp64, and
     the same documents as a mask_mod reading the ids gives the same output;

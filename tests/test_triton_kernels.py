@@ -95,6 +95,7 @@ def test_local_step_matches_fp64(d, causal):
     check_fp32(got, want, f"d={d} causal={causal}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
 def test_every_layout_step_matches_fp64(layout):
     """Ranks 1 and 2 of a 4-rank causal ring against every visiting block (lower, own and
@@ -110,6 +111,7 @@ def test_every_layout_step_matches_fp64(layout):
             check_fp32(got, want, f"{layout} rank {rank} src {src}")
 
 
+@pytest.mark.slow
 def test_mixed_lengths_padding_and_masked_blocks():
     """S_q != S_k, padding keys cut by kv_limit, and a block whose keys are all invisible."""
     kern = TritonKernel(T16)
@@ -138,6 +140,7 @@ def test_rows_without_keys_mid_block():
     assert got[1][..., :20].isneginf().all() and torch.equal(got[0][..., :20, :], torch.zeros(1, 2, 20, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_low_precision_within_2x_of_aten(dtype, causal):
@@ -197,6 +200,7 @@ def real_compile(calls: str) -> list:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_real_gpus():
     """The real Triton compiler (ptxas included) accepts every kernel for sm_80 and sm_90:
     tile shapes, dtypes and control flow obey the GPU's rules, which the interpreter

@@ -60,6 +60,7 @@ def merge_errors(n_blocks: int, seed: int) -> tuple[float, float]:
     return relerr(fused, want), relerr(out, want)
 
 
+@pytest.mark.slow
 def test_in_kernel_merge_error_does_not_grow_with_ring_size():
     errs = {n: merge_errors(n, seed=n) for n in (2, 4, 8)}
     report = ", ".join(f"N={n}: in-kernel {a:.3g}, out-of-kernel bf16 {b:.3g}" for n, (a, b) in errs.items())
@@ -82,6 +83,7 @@ def visible_tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, tile: int) -> tuple[
     return live, -(-lq // tile) * -(-lk // tile)
 
 
+@pytest.mark.slow
 def test_tile_skipping_counts_only_visible_tiles():
     n, s = 4, 256  # c = 64: 4 x 4 tiles per step
     kern = TritonKernel(T16)
@@ -122,6 +124,7 @@ def _rank_ring(cases: list[dict], dtype_name: str) -> list[tuple]:
     return [_ring_fwd_bwd(*make_inputs(c), c, rotate(i), dtype) for i, c in enumerate(cases)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_ring_with_triton_kernel_matches_sdpa(ranks, dtype_name):
     cases, dtype = _ring_cases(), getattr(torch, dtype_name)
@@ -226,6 +229,7 @@ def _llama_through_backend_with_triton() -> tuple:
         TritonKernel.forward_step, TritonKernel.backward_step = fwd, bwd
 
 
+@pytest.mark.slow
 def test_ring_cp_backend_with_triton_kernel_matches_single_device(ranks):
     """The example Llama compiled with backend ring_cp, kernel="triton" (aot_eager, 2 ranks):
     loss and every parameter gradient equal the single-process run (fp32 <= 1e-5)."""

@@ -160,6 +160,7 @@ def _errors(variant: dict) -> tuple:
     return rel(loss.detach(), loss_ref.detach()), grad, ring_mismatches(backend, count.calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_alibi_variants_are_exact(ranks, world: int) -> None:
     variants = [VARIANTS[1], VARIANTS[3]] if world == 2 else [VARIANTS[2]]

@@ -115,6 +115,7 @@ def _eval_exact(name: str) -> dict:
             "fallbacks": [f for r in backend.records for f in r.fallbacks]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,fastpath", [("nn_encoder", False), ("nn_decoder_only", True)])
 def test_eval_mode_is_exact(ranks, name, fastpath) -> None:
     """Sequence-first layers take the Python path in eval too; the batch-first causal GPT's
@@ -144,6 +145,7 @@ def _inductor_vit() -> dict:
             "rings": ring_mismatches(backend, count.calls)}
 
 
+@pytest.mark.inductor
 def test_rank_dependent_graphs_keep_one_collective_order_under_inductor(ranks) -> None:
     """Where the sequence arises in the graph each rank's graph has its own shapes (rank 0 takes
     the cls and register rows, rank 1 none): Inductor's comm reordering, which follows data

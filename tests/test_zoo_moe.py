@@ -57,6 +57,7 @@ def test_hand_mixtral_routes_this_ranks_tokens_without_a_gather():
     assert adds and all(tuple(n.args[0].meta["val"].shape) == (rows, mixtral.DIM) for n in adds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
 def test_hf_mixtral_experts_stay_on_this_ranks_rows(experts):
     """grouped_mm: sort of the B·c·k expert ids, grouped matmul, inverse permutation; batched_mm:
@@ -132,6 +133,7 @@ def _aux_on_rank(which: str, dynamo: dict, fullgraph: bool, seq_len: int = SEQ_L
             "rings": ring_mismatches(backend, attentions)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which,world,seq_len", [("hand", 4, SEQ_LEN), ("hf", 2, SEQ_LEN - 2)])
 def test_aux_loss_is_the_one_process_aux_loss(ranks, which, world, seq_len):
     """Both means over the flattened tokens are global: sum over ranks / the global count (the
@@ -142,6 +144,7 @@ def test_aux_loss_is_the_one_process_aux_loss(ranks, which, world, seq_len):
         assert r["fallbacks"] == [] and r["value"] > 0.5  # E·Σ f·P is ~1 for a near-uniform router
 
 
+@pytest.mark.slow
 def test_graph_breaks_at_nonzero_are_exact(ranks):
     """With fullgraph=False every torch.where breaks the graph (nonzero's size is data-dependent): the pieces
     hand whole values across the breaks, and the loss and gradients stay the one-process ones."""

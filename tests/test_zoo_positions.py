@@ -51,6 +51,7 @@ def test_indexing_a_sharded_value_with_tensors_is_gathered_and_named():
     assert "x[:, self.perm]" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,seq", [(4, 50)])
 def test_position_ids_member_with_padding_is_exact(ranks, world, seq):
     """50 tokens on 4 ranks: padding rows read the clamped last id, and count nowhere."""

@@ -111,6 +111,7 @@ def _exact(form: str, seq: int):
     return rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,form,seq", [(2, "smoothed", 24), (4, "log_softmax", 26), (4, "smoothed", 21)])
 def test_shifted_losses_are_exact_without_a_gather(ranks, world, form, seq):
     """Shift by 3 with label smoothing; by 1 behind a cast, a log_softmax and a transpose into an
@@ -149,6 +150,7 @@ def _exact_next_frame(loss: str, seq: int):
     return rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,loss,seq", [(2, "mse", 24), (4, "l1", 26)])
 def test_next_frame_regression_losses_are_exact_without_a_gather(ranks, world, loss, seq):
     """mse on pred[:, :-1] against frames[:, 1:] (the sequence input, read whole), l1 the other way
