@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 import cp_compile
 import models
-from checks import AttentionCount, explain_record, layout_mismatches, rel, ring_mismatches
-from test_backend import _errors  # the same error measures as the static-shape tests
+from checks import AttentionCount, explain_record, layout_mismatches, loss_and_grad_errors, rel, ring_mismatches
 
 TOL = 1e-5
 
@@ -109,7 +108,7 @@ def _compare_dynamic(factory: str, kw: dict):
     out = torch.compile(cp_model, backend=backend, dynamic=True)(*inputs)
     out.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
 @pytest.mark.slow
@@ -144,7 +143,7 @@ def _local_inputs(dynamic):
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     assert backend.records[0].sharded_fraction >= 0.9, backend.records  # the llama holds nearly all sharded
     out.backward()
-    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cp_compile.passes.propagate.emitter import mutates
+from checks import twin_models
 
 VOCAB, DIM, HEADS, SEQ = 64, 32, 4, 16
 
@@ -78,10 +79,7 @@ def _vmapped() -> dict:
     import cp_compile
     from checks import grad_errors, rel
 
-    torch.manual_seed(0)
-    ref_model = VmappedScan()
-    cp_model = VmappedScan()
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(VmappedScan)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     ref = ref_model(tokens)
     ref.backward()

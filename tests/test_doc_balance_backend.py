@@ -207,5 +207,6 @@ def test_explain_names_the_layout() -> None:
 
 def test_dynamic_shapes_are_refused() -> None:
     x = torch.randn(2, S, 16)
-    with pytest.raises(CPRewriteError, match=r"sequence length is dynamic.*Fix: torch.compile\(\.\.\., dynamic=False\)"):
+    fix = r"sequence length is dynamic.*Fix: torch.compile\(\.\.\., dynamic=False\)"
+    with pytest.raises(CPRewriteError, match=fix):
         _inspect(DocAttention("index"), (x, _doc_ids(LENGTHS)), dynamic=True)

@@ -188,7 +188,8 @@ def test_classify(result: dict, outcome: str) -> None:
 
 def test_no_cp_names_the_warning_that_said_so() -> None:
     gather = "cp_compile: cumsum at m.py:3; gathering the full sequence"
-    result = _ran(ring_ops=0, gathers=["cp_compile: cumsum at m.py:3"], warnings=["cp_compile: other", gather, _UNSPLIT])
+    result = _ran(ring_ops=0, gathers=["cp_compile: cumsum at m.py:3"],
+                  warnings=["cp_compile: other", gather, _UNSPLIT])
     assert arch.classify(result) == ("no CP, warned", _UNSPLIT) and arch.no_cp_warning(result) == _UNSPLIT
 
 

@@ -11,8 +11,8 @@ accelerate's regional compilation compiles one by one, and 4 ranks run below).
 
 ``cp_compile.recipes.compile_blocks`` keeps the sequence sharded *between* blocks (first block
 inputs="full"/outputs="local", middle local/local, last local/full): on 3-block stacks of the
-example Llama (2 and 4 ranks) and the Hugging Face Llama (2 ranks), the same exactness, ring and fallback checks, and only the last block's graph
-gathers (one gather_seq, no all-gather anywhere else).
+example Llama (2 and 4 ranks) and the Hugging Face Llama (2 ranks), the same exactness, ring and fallback
+checks, and only the last block's graph gathers (one gather_seq, no all-gather anywhere else).
 """
 
 from __future__ import annotations

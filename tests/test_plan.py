@@ -86,7 +86,8 @@ def check_step(n: int, rank: int, step: int, lb: str, c: int, causal: bool) -> N
     assert int(count.max()) <= 1, f"pair covered twice {ctx}\n{count}"
     allowed = allowed_mask(seq_len, n, rank, src, lb, causal)
     covered = count > 0
-    assert torch.equal(covered, allowed), f"coverage != allowed mask {ctx}\ncovered=\n{covered.int()}\nallowed=\n{allowed.int()}"
+    assert torch.equal(covered, allowed), (
+        f"coverage != allowed mask {ctx}\ncovered=\n{covered.int()}\nallowed=\n{allowed.int()}")
     # segment_pairs agrees with the mask it claims to compute
     assert sum(segment_pairs(s, c) for s in segments) == int(allowed.sum()), ctx
 

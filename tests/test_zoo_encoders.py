@@ -82,7 +82,8 @@ def test_decoder_layer_cross_attention_is_named_with_the_fix(caplog) -> None:
         explain_model(model, args, world_size=2)
     (msg,) = [r.getMessage() for r in caplog.records if "TransformerDecoderLayer" in r.getMessage()]
     for part in ("cross-attention of nn.TransformerDecoderLayer model.layer", "multihead_attn", "memory",
-                 "cannot be made context-parallel", "nn_decoder_only.py:", "nn.TransformerEncoderLayer with a causal mask",
+                 "cannot be made context-parallel", "nn_decoder_only.py:",
+                 "nn.TransformerEncoderLayer with a causal mask",
                  "generate_square_subsequent_mask"):
         assert part in msg, (part, msg)
     with pytest.raises(CPRewriteError, match="TransformerDecoderLayer model.layer.*strict=True"):

@@ -185,7 +185,8 @@ class _DeepSeekMoE(torch.nn.Module):
     def __init__(self, write: str, dim: int = 16, experts: int = 4, k: int = 2) -> None:
         super().__init__()
         self.write, self.k = write, k
-        self.emb, self.qkv, self.head = torch.nn.Embedding(101, dim), torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, 101)
+        self.emb, self.qkv = torch.nn.Embedding(101, dim), torch.nn.Linear(dim, 3 * dim)
+        self.head = torch.nn.Linear(dim, 101)
         self.gate = torch.nn.Linear(dim, experts, bias=False)
         self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
 

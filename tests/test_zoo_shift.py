@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import models
-from checks import grad_errors, loss_through_ring_cp, rel
+from checks import grad_errors, loss_through_ring_cp, rel, twin_models
 from zoo import nanogpt
 
 from cp_compile.tools.explain import explain_model
@@ -101,10 +101,7 @@ def test_what_is_not_a_shift_keeps_the_gather_and_names_the_line(form, caplog):
 
 def _exact(form: str, seq: int):
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref_model = _Shifted(form)
-    cp_model = _Shifted(form)
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(lambda: _Shifted(form))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, _tokens(seq))
     grads = max(grad_errors(cp_model, ref_model).values())
     gathers = sum(_calls(gm, "gather_seq") for gm in backend.graphs)
@@ -140,9 +137,7 @@ class _NextFrame(nn.Module):
 
 def _exact_next_frame(loss: str, seq: int):
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref_model, cp_model = _NextFrame(loss), _NextFrame(loss)
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(lambda: _NextFrame(loss))
     frames = torch.randn(2, seq, 12, generator=torch.Generator().manual_seed(5))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (frames,))
     grads = max(grad_errors(cp_model, ref_model).values())
