@@ -1,4 +1,10 @@
-"""Checks shared by the tests that compare a ring_cp model with the uncompiled one.
+"""What two or more test files share, defined once (no test module imports another;
+tests/test_package.py checks it): the checks of exactness below, then the ring op's inputs,
+references and reassembly, documents and FlexAttention-style mods, the Triton kernels' one-step
+checks, the example-model comparison, the masked two-layer model and the CLI runner. The DP x CP
+recipes are in tests/compose_kit.py, the rank pools in tests/distributed.py.
+
+The checks shared by the tests that compare a ring_cp model with the uncompiled one:
 
 ``outputs="full"`` promises what the uncompiled model returns: values, shapes and the
 memory layout (strides), since code after a graph break may ``view`` an output. And
@@ -411,6 +417,15 @@ def example_through_ring_cp(factory: str, kw: dict, options: dict) -> tuple:
     return (*loss_and_grad_errors(ref_model, ref, cp_model, out), len(backend.fallbacks), graph_summary(backend))
 
 
+def twin_models(make: Any) -> tuple:
+    """(reference, copy for ring_cp): ``make()`` twice after ``torch.manual_seed(0)``, the copy given the
+    reference's state (parameters and buffers) so that the two are identical."""
+    torch.manual_seed(0)
+    ref_model, cp_model = make(), make()
+    cp_model.load_state_dict(ref_model.state_dict())
+    return ref_model, cp_model
+
+
 MASKED_B, MASKED_D = 2, 16  # MaskedAttention's batch and width
 
 
@@ -490,11 +505,3 @@ def run_cli(argv: List[str], capsys: Any) -> tuple:
     out, err = capsys.readouterr()
     return code, out, err
 
-
-def twin_models(make: Any) -> tuple:
-    """(reference, copy for ring_cp): ``make()`` twice after ``torch.manual_seed(0)``, the copy given the
-    reference's state (parameters and buffers) so that the two are identical."""
-    torch.manual_seed(0)
-    ref_model, cp_model = make(), make()
-    cp_model.load_state_dict(ref_model.state_dict())
-    return ref_model, cp_model

@@ -41,7 +41,9 @@ from distributed import RankPools  # noqa: E402 (after the sys.path and TRITON_I
 # group. ``slow`` and ``inductor`` are marked on the tests themselves (``@pytest.mark.slow``): slow is
 # a test function one of whose cases took 2 s or more in a full run on 2 busy cores
 # (``./dev test --durations=0``), except one end-to-end model test and one ring-op test that the
-# fast tier keeps as smoke. ``multirank`` is set here, from the fixture.
+# fast tier keeps as smoke; and a single-process one whose case took about 3 s or more in a
+# ``--unit`` run on 2 cores loaded ~5x over (so that ``--unit`` stays under a minute of CPU).
+# ``multirank`` is set here, from the fixture.
 
 
 def pytest_collection_modifyitems(config, items):

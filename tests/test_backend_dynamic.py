@@ -158,6 +158,7 @@ def test_local_inputs_with_static_shapes_name_the_fix(ranks):
         assert isinstance(msg, str) and "dynamic=True" in msg and "inputs='local'" in msg, msg
 
 
+@pytest.mark.slow
 def test_local_length_specialized_under_dynamic_names_the_cause() -> None:
     """inputs="local" always traces dynamic, yet a local length equal to the head dim (16) shares its
     symbol (duck sizing) and becomes that constant: the error says so, not just "use dynamic=True".

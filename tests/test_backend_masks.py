@@ -173,6 +173,7 @@ def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
         assert r["graphs"] == 1 and not r["ring_mismatches"], (rank, r)
 
 
+@pytest.mark.slow
 def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) -> None:
     """A mask that varies by query costs O(S^2 / N) per rank: one warning per process (then
     info), naming the attention's source line and the cheaper forms; key padding warns not."""

@@ -74,6 +74,7 @@ def test_dump_text_llama(capsys):
     assert q.startswith("*") and "(2, 64, 4, 16) -> (2, 32, 4, 16)" in q  # view with a rewritten length
 
 
+@pytest.mark.slow
 def test_dump_world_size_4_striped(capsys):
     argv = ["dump", LLAMA_TARGET, "--world-size", "4", "--seq-len", "128", "--load-balance", "striped"]
     code, out, _ = run_cli(argv, capsys)
@@ -82,6 +83,7 @@ def test_dump_world_size_4_striped(capsys):
     assert "load balance striped" in out
 
 
+@pytest.mark.slow
 def test_explain_llama_bytes_by_hand():
     model, ex, kw = load_target(LLAMA_TARGET)
     assert kw == {}
@@ -123,6 +125,7 @@ def test_explain_text_llama(capsys):
     assert out.count("mask: causal by position (no mask tensor)") == 2
 
 
+@pytest.mark.slow
 def test_explain_shift_inside_gathers_nothing(shift_factory, capsys):
     """The label shift inside forward() moves the labels, not the logits (passes/loss_shift.py)."""
     code, out, err = run_cli(["explain", shift_factory], capsys)
@@ -134,6 +137,7 @@ def test_explain_shift_inside_gathers_nothing(shift_factory, capsys):
     assert kinds.count("gather") == 0
 
 
+@pytest.mark.slow
 def test_dump_html_and_dot(tmp_path, capsys):
     code, out, err = run_cli(["dump", LLAMA_TARGET, "--format", "html", "--out", str(tmp_path / "h")], capsys)
     assert code == 0, err
@@ -371,6 +375,7 @@ def test_explain_hf_llama_packed_documents_states_the_document_ids(tmp_path, cap
     assert lines == ["mask: causal by position, documents by their ids (no mask tensor)", form] * 2, lines
 
 
+@pytest.mark.slow
 def test_explain_hf_llama_with_cache_still_prints_every_mask(tmp_path, capsys):
     """Without use_cache=False HF keeps its KV cache and skips the packed-document mask (is_causal=True):
     the graph explain traces has no mask tensor, and it says so for every attention rather than

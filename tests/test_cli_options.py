@@ -17,6 +17,7 @@ from checks import LLAMA_TARGET, run_cli
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [
     [], ["--dynamic"], ["--inputs", "local"], ["--inputs", "full"], ["--outputs", "local"], ["--outputs", "full"],
     ["--grad-sync", "none"], ["--grad-sync", "allreduce"], ["--kernel", "reference"], ["--rotate", "allgather"],

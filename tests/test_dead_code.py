@@ -8,6 +8,7 @@ otherwise stay in the graph, run on every rank, and count in the record's bytes 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -40,6 +41,7 @@ def _dead(gm: fx.GraphModule) -> list:
             if n.op in ("call_function", "call_method") and not n.users and not mutates(n)]
 
 
+@pytest.mark.slow
 def test_no_dead_values_after_the_rewrite() -> None:
     from cp_compile.tools.explain import explain_model
 

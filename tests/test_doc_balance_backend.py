@@ -175,6 +175,7 @@ def _inspect(model, args, **options):
     return explain_model(model, args, world_size=options.pop("world_size", 2), load_balance="documents", **options)
 
 
+@pytest.mark.slow
 def test_an_attention_without_documents_is_refused() -> None:
     import models
 
@@ -205,6 +206,7 @@ def test_explain_names_the_layout() -> None:
     assert sum(n.target is torch.ops.cp_compile.document_table.default for n in report.after.graph.nodes) == 1
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_are_refused() -> None:
     x = torch.randn(2, S, 16)
     fix = r"sequence length is dynamic.*Fix: torch.compile\(\.\.\., dynamic=False\)"

@@ -144,6 +144,7 @@ def _ring_calls(model: nn.Module, inputs: tuple) -> list:
     return [n for n in _after(model, inputs).graph.nodes if n.target is torch.ops.cp_compile.ring_attention_fwd.default]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,score,buffers", [
     ("causal", False, {}), ("document_buffer", False, {"mask_buffers": 1}),
     ("alibi", True, {"score_buffers": 1}), ("softcap", True, {}), ("outside_mask", False, {"mask_buffers": 1}),
@@ -164,6 +165,7 @@ def test_ring_op_gets_the_mods_and_whole_buffers(style, score, buffers):
             assert b.meta["val"].shape[-1] in (32, 4)  # whole: the sequence (S = 32), or the heads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,form", [
     ("alibi", "mask_mod from flex_attention + score_mod from flex_attention; per rank: score_buffers 1 tensor(s) 16 B"),
     ("causal", "mask_mod from flex_attention; per rank: no mask tensor"),
@@ -205,10 +207,12 @@ class _Probe(nn.Module):
         return flex_attention(q, k, v, block_mask=blocks).sum()  # "plain", "tensors_only"
 
 
+@pytest.mark.slow
 def test_learned_score_buffer_is_refused():
     assert "requires grad" in _refusal(_Probe("learned"), (torch.randn(2, 32, 8),))
 
 
+@pytest.mark.slow
 def test_max_scores_are_refused():
     """flex refuses max_scores on CPU before Dynamo records it, so the request is set on the traced node
     (kernel_options["OUTPUT_MAX"], what flex records on a GPU)."""
@@ -228,15 +232,18 @@ def test_max_scores_are_refused():
     assert "flex_attention" in msg and "test_flex_attention.py" in msg and "max_scores" in msg and "Fix:" in msg
 
 
+@pytest.mark.slow
 def test_lse_whose_gradient_the_ring_drops_is_refused():
     assert "lse" in _refusal(_Probe("lse_grad"), (torch.randn(2, 32, 8),))
 
 
+@pytest.mark.slow
 def test_detached_lse_is_the_rings():
     calls = _ring_calls(_Probe("lse_detached"), (torch.randn(2, 32, 8),))
     assert len(calls) == 1 and "mods" not in calls[0].kwargs  # no block_mask, no score_mod: plain attention
 
 
+@pytest.mark.slow
 def test_block_mask_from_block_tensors_only_is_refused():
     ones = torch.ones(1, 1, 1, dtype=torch.int32)
     blocks = BlockMask.from_kv_blocks(ones, torch.zeros(1, 1, 1, 1, dtype=torch.int32), BLOCK_SIZE=32,

@@ -106,6 +106,7 @@ def test_no_family_here_is_run_by_the_other_hf_tests() -> None:
 
 
 # -- the rules, in one process ------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_row_per_model_type_preferring_causal_then_masked_lm() -> None:
     from transformers.models.auto import modeling_auto as m
 

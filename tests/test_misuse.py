@@ -130,6 +130,7 @@ def _no_process_group():
     assert not (dist.is_available() and dist.is_initialized()), "the pytest process must not init a group"
 
 
+@pytest.mark.slow
 def test_backend_group_without_process_group():
     torch._dynamo.reset()
     model, inputs = models.llama_factory(seq_len=16)

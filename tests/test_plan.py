@@ -95,6 +95,7 @@ def check_step(n: int, rank: int, step: int, lb: str, c: int, causal: bool) -> N
 # ---------------------------------------------------------------- exact coverage
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(configs())
 def test_segments_cover_exactly_the_allowed_mask(cfg):
@@ -104,6 +105,7 @@ def test_segments_cover_exactly_the_allowed_mask(cfg):
             check_step(n, rank, step, lb, c, causal)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lb", LOAD_BALANCES)
 def test_segments_cover_allowed_mask_exhaustive(lb):
     """The whole (small) space, so no corner is left to luck: N 1..8, c per layout, both causal."""

@@ -38,6 +38,7 @@ class _MixesEarly(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
 
+@pytest.mark.slow
 def test_fully_sharded_model_records_a_high_fraction() -> None:
     model, inputs = models.llama_factory()
     for world in (2, 4):

@@ -121,6 +121,7 @@ def test_mods_match_dense_fp64(ranks, world):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hkv,causal,mask_name", [(2, True, "none"), (1, False, "document"), (4, False, "prefix_lm")])
 def test_score_kernel_row_tiles_match_dense(monkeypatch, hkv: int, causal: bool, mask_name: str):
     """One process, rectangles cut into row tiles of a few rows (dK/dV accumulated in place over the

@@ -72,6 +72,7 @@ def test_table_plan_equals_the_fixed_layouts():
                             assert got == want, (lb, n, c, causal, r, src, valid, got, want)
 
 
+@pytest.mark.slow
 def test_table_plan_covers_exactly_the_visible_pairs():
     for seed in range(20):
         n, c = (2, 4, 3)[seed % 3], (5, 8, 16)[seed % 3]

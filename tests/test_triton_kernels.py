@@ -45,6 +45,7 @@ def run(kernel, q, k, v, dout, q_pos, k_pos, *, causal, scale, kv_limit=2**31 - 
     return (out, lse, *grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [16, 24, 64, 80, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_local_step_matches_fp64(d, causal):

@@ -95,6 +95,7 @@ STEP_CASES = [  # (mask_mod, score_mod, causal flag, q_pos, k_pos, kv_limit, H_k
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(STEP_CASES)))
 def test_step_with_mods_matches_fp64(case):
     mask, score, causal, q_pos, k_pos, limit, hkv = STEP_CASES[case]
@@ -105,6 +106,7 @@ def test_step_with_mods_matches_fp64(case):
     check_fp32(got, want, f"{mask}+{score} causal={causal} limit={limit}")
 
 
+@pytest.mark.slow
 def test_tiles_a_mask_mod_masks_wholly_are_skipped():
     """The forward and dQ kernels compute exactly the (query tile, key tile) pairs, per batch row and head,
     with a pair visible under the document mask_mod (brute force), fewer than the position rules keep."""
@@ -144,6 +146,7 @@ def sink_score(score, b, h, q_idx, kv_idx, gain):
     return t - torch.fmod(rel, 3).float() * 0.02 + OFFSET
 
 
+@pytest.mark.slow
 def test_translated_op_set_matches_pytorch():
     """Every other translated op, against the same mods evaluated by PyTorch (vmap), forward and backward."""
     mods = Mods(sink_mask, sink_score, (), (torch.tensor([1.0, -0.5, 2.0, 0.25]),))

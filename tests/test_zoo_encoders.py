@@ -43,6 +43,7 @@ def _local(node) -> tuple:
     return tuple(node.meta["val"].shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("factory,prefix,patch", [(vit_registers.factory, 5, 27), (video_vit.factory, 0, 96)],
                          ids=["vit_conv2d", "video_conv3d"])
@@ -76,6 +77,7 @@ def test_overlapping_convolution_is_left_as_written() -> None:
     assert len(_calls(gm, "conv2d")) == 1
 
 
+@pytest.mark.slow
 def test_decoder_layer_cross_attention_is_named_with_the_fix(caplog) -> None:
     model, args = nn_decoder_only.decoder_layer_factory()
     with caplog.at_level(logging.WARNING, logger="cp_compile"):

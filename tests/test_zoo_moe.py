@@ -43,6 +43,7 @@ def _local_shape(gm, name: str) -> tuple:
     return tuple(node.args[0].meta["val"].shape)
 
 
+@pytest.mark.slow
 def test_hand_mixtral_routes_this_ranks_tokens_without_a_gather():
     """torch.where on the (E, k, B·c) mask, the rows gathered by top_x, index_add_ into (B·c, D)."""
     model, args = mixtral.factory()

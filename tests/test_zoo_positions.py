@@ -16,6 +16,7 @@ from zoo.measure import measure
 from cp_compile.tools.explain import explain_model
 
 
+@pytest.mark.slow
 def test_a_rope_cache_read_at_position_ids_is_sharded_where_the_ids_are():
     model, kwargs = position_ids.factory()
     report = explain_model(model, (), world_size=4, example_kwargs=kwargs)

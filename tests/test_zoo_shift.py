@@ -38,6 +38,7 @@ def _sliced(gm) -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [1, 2])
 def test_shifted_loss_has_no_slice_of_the_logits_and_no_gather(shift):
     model, inputs = nanogpt.factory(shift=shift)
@@ -49,6 +50,7 @@ def test_shifted_loss_has_no_slice_of_the_logits_and_no_gather(shift):
     assert report.ctx.record.sharded_fraction > 0.9
 
 
+@pytest.mark.slow
 def test_targets_read_from_the_token_ids_slice_the_whole_input():
     """targets = idx (one tensor passed twice: one sharded graph input): idx[:, 1:] is a slice of
     the whole input every rank was passed, not of its shard."""
@@ -89,6 +91,7 @@ def _tokens(seq: int = 24):
     return ids, labels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["strided", "none"])
 def test_what_is_not_a_shift_keeps_the_gather_and_names_the_line(form, caplog):
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
@@ -156,6 +159,7 @@ def test_next_frame_regression_losses_are_exact_without_a_gather(ranks, world, l
         assert fallbacks == 0 and gathers == 0
 
 
+@pytest.mark.slow
 def test_under_a_symbolic_length_the_shift_is_rewritten_too():
     """Dynamic shapes: the bounds [:, :-1] / [:, 1:] mean the same at every length; the target's
     length S - 1 is computed in the graph from the logits' symbolic size."""
