@@ -34,7 +34,7 @@ FAST = {  # the fast tier's smoke: one family of each kind of outcome but gather
     "fnet": "no CP, warned",  # no attention at all (Fourier mixing): nothing to split, said with a WARNING
     "doge": "refused",  # a learned attention bias (the SDPA mask requires grad) is refused, naming the fix
 }
-# Over ~10 s a group on 2 busy cores: the slow tier (tests/conftest.py SLOW).
+# Over ~10 s a group on 2 busy cores: the slow tier (@pytest.mark.slow on test_slow_architecture_has_its_outcome).
 SLOW = {
     "decoders": {
         "falcon": "ring",  # multi-query attention (1 KV head), parallel attention/MLP
