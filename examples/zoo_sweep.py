@@ -10,7 +10,7 @@ the loss and of the worst parameter gradient, ring ops made / attention calls of
 run, the gather fallbacks (ops computed on the gathered sequence) and the sharded fraction of
 activation bytes (worst over ranks), and whether a second call ran attention outside the ring
 or built a tensor spanning the sequence twice. A member that raises prints its first error line.
-Run it at 2 and 4 ranks for the README's zoo table.
+Run it at 2 and 4 ranks for the zoo table of docs/zoo.md.
 """
 
 from __future__ import annotations

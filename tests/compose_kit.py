@@ -29,52 +29,63 @@ def blocks(model) -> torch.nn.ModuleList:
 def wrap(recipe: str, model, mesh, mp_policy=None):
     """Apply ``recipe`` to ``model``; returns (the callable to run, the RingCP backend).
     ``mp_policy``: FSDP2's MixedPrecisionPolicy for the FSDP recipes (None: FSDP2's default)."""
+    sync = "allreduce" if recipe.endswith("allreduce") else "none"
+    backend = cp_compile.RingCP(inner="aot_eager", mesh=mesh, grad_sync=sync)  # ring_cp uses the "cp" dim
+    if recipe.startswith("ddp"):
+        return _wrap_ddp(recipe, model, mesh, backend), backend
+    if not recipe.startswith("fsdp"):
+        raise ValueError(recipe)
+    _shard_fsdp(recipe, model, mesh, mp_policy, backend)
+    per_layer = recipe.startswith("fsdp_per_layer") or recipe == "fsdp_dp_allreduce"  # FSDP's hooks break the graph
+    return torch.compile(model, backend=backend, fullgraph=not per_layer), backend
+
+
+def _shard_fsdp(recipe: str, model, mesh, mp_policy, backend) -> None:
+    """Apply FSDP2 to ``model`` as the ``fsdp_*`` recipe says (in place)."""
     from functools import partial
 
     from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     if mp_policy is not None:
         fully_shard = partial(fully_shard, mp_policy=mp_policy)
-    sync = "allreduce" if recipe.endswith("allreduce") else "none"
-    backend = cp_compile.RingCP(inner="aot_eager", mesh=mesh, grad_sync=sync)  # ring_cp uses the "cp" dim
     if recipe == "fsdp_hsdp":  # replicate over dp, shard over cp; one reduction sums over both
-        fully_shard(model, mesh=mesh)
-        model.set_gradient_divide_factor(float(mesh.size(0)))  # sum over dp x cp, / dp
-        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (NCCL does)
+        units, unit_mesh = (model,), mesh
     elif recipe == "fsdp_flat":  # shard over all dp x cp ranks
-        fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))
-        model.set_gradient_divide_factor(float(mesh.size(0)))
-        model.set_force_sum_reduction_for_comms(True)
+        units, unit_mesh = (model,), mesh["dp", "cp"]._flatten("dp_cp")
     elif recipe.startswith("fsdp_per_layer"):  # HSDP per layer: FSDP's hooks break the graph
-        for module in (*blocks(model), model):
-            fully_shard(module, mesh=mesh)
-        for module in (*blocks(model), model):  # these settings act on one unit each
-            module.set_gradient_divide_factor(float(mesh.size(0)))
-            module.set_force_sum_reduction_for_comms(True)
-        if recipe == "fsdp_per_layer":
-            # FSDP's hooks break the graph inside Llama.forward's loop, so Dynamo runs that forward
-            # eagerly and compiles only the modules it calls that have Python frames of their own
-            # (the layers, RMSNorm): the built-in nn.Embedding and nn.Linear must be compiled too.
-            model.tok_emb = torch.compile(model.tok_emb, backend=backend)
-            model.lm_head = torch.compile(model.lm_head, backend=backend)
+        units, unit_mesh = (*blocks(model), model), mesh
     elif recipe == "fsdp_dp_allreduce":  # per-layer FSDP over dp; ring_cp sums over cp
         for layer in blocks(model):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    elif recipe.startswith("ddp"):  # compile the inner module: DDP's own forward does not trace
-        model.compile(backend=backend, fullgraph=True)
-        if recipe == "ddp_dp_allreduce":
-            return DDP(model, process_group=mesh.get_group("dp")), backend
-        group = mesh["dp", "cp"]._flatten("dp_cp").get_group()
-        ddp = DDP(model, process_group=group, bucket_cap_mb=1 if recipe == "ddp_optimizer" else 25)
-        if recipe in ("ddp", "ddp_optimizer"):
-            ddp.register_comm_hook((group, float(mesh.size(0))), _sum_then_divide)
-        return ddp, backend
+        return
     else:
         raise ValueError(recipe)
-    per_layer = recipe.startswith("fsdp_per_layer") or recipe == "fsdp_dp_allreduce"  # FSDP's hooks break the graph
-    return torch.compile(model, backend=backend, fullgraph=not per_layer), backend
+    for module in units:
+        fully_shard(module, mesh=unit_mesh)
+    for module in units:  # these settings act on one unit each
+        module.set_gradient_divide_factor(float(mesh.size(0)))  # sum over dp x cp, / dp
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (NCCL does)
+    if recipe == "fsdp_per_layer":
+        # FSDP's hooks break the graph inside Llama.forward's loop, so Dynamo runs that forward
+        # eagerly and compiles only the modules it calls that have Python frames of their own
+        # (the layers, RMSNorm): the built-in nn.Embedding and nn.Linear must be compiled too.
+        model.tok_emb = torch.compile(model.tok_emb, backend=backend)
+        model.lm_head = torch.compile(model.lm_head, backend=backend)
+
+
+def _wrap_ddp(recipe: str, model, mesh, backend):
+    """The ``ddp*`` recipes: compile the inner module (DDP's own forward does not trace), wrap it in DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model.compile(backend=backend, fullgraph=True)
+    if recipe == "ddp_dp_allreduce":
+        return DDP(model, process_group=mesh.get_group("dp"))
+    group = mesh["dp", "cp"]._flatten("dp_cp").get_group()
+    ddp = DDP(model, process_group=group, bucket_cap_mb=1 if recipe == "ddp_optimizer" else 25)
+    if recipe in ("ddp", "ddp_optimizer"):
+        ddp.register_comm_hook((group, float(mesh.size(0))), _sum_then_divide)
+    return ddp
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch._functorch._aot_autograd import autograd_cache
 
 from cp_compile import graph_ops
 from cp_compile.backend.aot_cache import aot_cache_config, source_hash
+from checks import MaskedAttention, masked_inputs
 
 
 def test_source_hash_follows_every_file(tmp_path):
@@ -51,9 +52,8 @@ def test_every_function_a_rewritten_graph_calls_is_cacheable():
     """The rewrite of a model with an explicit mask (the widest set of emitted helpers) passes
     AOTAutograd's node check with the patch: no graph silently loses the cache."""
     from cp_compile.tools.explain import explain_model
-    from test_backend_masks import MaskedAttention, _inputs
 
-    inputs = _inputs("causal_padding", 30)  # padded: gathers, masks and padding helpers too
+    inputs = masked_inputs("causal_padding", 30)  # padded: gathers, masks and padding helpers too
     report = explain_model(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
     with torch._inductor.config.patch(aot_cache_config()):
         for node in report.after.graph.nodes:

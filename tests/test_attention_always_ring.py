@@ -75,6 +75,7 @@ def _compare(seq_len: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,seq_len", [(2, 16), (4, 16), (2, 15)])  # 15: padded to 16 on 2 ranks
 def test_attention_on_whole_values_becomes_the_ring(ranks, world: int, seq_len: int) -> None:
     for rank, r in enumerate(ranks.run(world, _compare, seq_len, timeout=240)):

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import cp_compile_warnings
+from checks import cp_compile_warnings, rel
 from cp_compile.passes.op_vocab import SDPA_TARGETS
 
 B, H, S, D = 2, 4, 16, 8
@@ -172,10 +172,6 @@ def _grads(fn: Callable, x: torch.Tensor, params: List[torch.Tensor]) -> Tuple[t
     return (out.detach(), x.grad, *(p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
 @pytest.mark.parametrize("name", sorted(FUSED))
 def test_form_is_fused_into_one_sdpa_with_the_same_values_and_gradients(name: str) -> None:
     from cp_compile.passes.normalize.fuse_attention import fuse_attention
@@ -200,7 +196,7 @@ def test_form_is_fused_into_one_sdpa_with_the_same_values_and_gradients(name: st
     want, got = _grads(model, x, params), _grads(fused, x, params)
     for i, (a, b) in enumerate(zip(got, want)):
         if b.abs().max() > 0:
-            assert _rel(a, b) <= ROUNDED.get(name, TOL), (name, i, _rel(a, b))
+            assert rel(a, b) <= ROUNDED.get(name, TOL), (name, i, rel(a, b))
 
 
 # -- forms that are attention but cannot be fused: named, never silent ------------------------------
@@ -315,7 +311,7 @@ def _through_ring_cp(name: str) -> dict:
     compiled = torch.compile(cp, backend=backend, fullgraph=True)
     got = _grads(lambda t: compiled(t), x, [cp.w, cp.temperature])
     rings = sum(r.rings for r in backend.records)
-    errs = [_rel(a, b) for a, b in zip(got, want) if b.abs().max() > 0]
+    errs = [rel(a, b) for a, b in zip(got, want) if b.abs().max() > 0]
     return {"errs": errs, "rings": rings, "fallbacks": list(backend.fallbacks),
             "unsplit": [u for r in backend.records for u in r.unsplit]}
 

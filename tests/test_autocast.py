@@ -247,9 +247,11 @@ def test_the_op_casts_q_k_v_as_autocast_casts_sdpa() -> None:
             op(q.double(), q, v, *flags)
 
 
+@pytest.mark.slow
 def test_autocast_on_two_ranks(ranks) -> None:
     _check(ranks.run(2, _cases, CASES[2], timeout=300))
 
 
+@pytest.mark.slow
 def test_autocast_on_four_ranks(ranks) -> None:
     _check(ranks.run(4, _cases, CASES[4], timeout=300))

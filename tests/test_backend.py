@@ -21,35 +21,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import models  # noqa: E402
 
 import cp_compile  # noqa: E402
-from checks import AttentionCount, explain_record, grad_errors, loss_through_ring_cp, rel, ring_mismatches  # noqa: E402
+from checks import (AttentionCount, example_through_ring_cp, explain_record, grad_errors,  # noqa: E402
+                    loss_and_grad_errors, rel, ring_mismatches)
 from cp_compile.passes.context import CPRewriteError  # noqa: E402
 
 TOL = 1e-5
-
-
-def _errors(ref_model, ref, cp_model, out) -> tuple:
-    """(loss rel err, max parameter-gradient rel err) of the CP run against the reference."""
-    return rel(out.detach(), ref.detach()), max(grad_errors(cp_model, ref_model).values())
-
-
-def _compare(factory: str, kw: dict, options: dict):
-    """On every rank: (loss rel err, max grad rel err, #fallbacks, graph summary)."""
-    torch._dynamo.reset()
-    ref_model, inputs = getattr(models, factory)(**kw)
-    cp_model, _ = getattr(models, factory)(**kw)
-    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, inputs, **options)
-    return (*_errors(ref_model, ref, cp_model, out), len(backend.fallbacks), _summary(backend))
-
-
-def _summary(backend) -> dict:
-    """How many of each inserted op the rewritten graph(s) call."""
-    names = [getattr(n.target, "__name__", str(n.target)) for gm in backend.graphs for n in gm.graph.nodes
-             if n.op == "call_function"]
-    targets = [str(n.target) for gm in backend.graphs for n in gm.graph.nodes if n.op == "call_function"]
-    return {
-        "ring_attention_fwd": sum("ring_attention_fwd" in t for t in targets),
-        **{k: names.count(k) for k in ("grad_all_reduce", "grad_all_reduce_bucket", "gather_seq", "all_reduce_sum")},
-    }
 
 
 CASES = [
@@ -65,7 +41,8 @@ CASES = [
 
 @pytest.mark.parametrize("factory,kw,options", CASES)
 def test_model_loss_and_grads_match_single_device(ranks, factory, kw, options):
-    for rank, (loss_err, grad_err, fallbacks, summary) in enumerate(ranks.run(2, _compare, factory, kw, options)):
+    per_rank = ranks.run(2, example_through_ring_cp, factory, kw, options)
+    for rank, (loss_err, grad_err, fallbacks, summary) in enumerate(per_rank):
         assert loss_err <= TOL and grad_err <= TOL, (rank, loss_err, grad_err)
         assert fallbacks == 0 and summary["gather_seq"] == 0, (rank, summary)
         assert summary["ring_attention_fwd"] == 2, summary  # both layers' attention became the ring
@@ -82,6 +59,7 @@ def _kv_heads_on_the_ring(gqa_mode: str):
             for gm in backend.graphs for n in gm.graph.nodes if "ring_attention_fwd" in str(n.target)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gqa_mode", ["enable_gqa", "repeat_interleave", "expand"])
 def test_gqa_ships_only_the_kv_heads(ranks, gqa_mode):
     """Whatever way the model repeats K/V heads, the ring carries H_kv = 2 heads, not H = 4."""
@@ -89,8 +67,9 @@ def test_gqa_ships_only_the_kv_heads(ranks, gqa_mode):
         assert heads == [2, 2], heads
 
 
+@pytest.mark.slow
 def test_llama_on_four_ranks(ranks):
-    for loss_err, grad_err, fallbacks, summary in ranks.run(4, _compare, "llama_factory", {}, {}):
+    for loss_err, grad_err, fallbacks, summary in ranks.run(4, example_through_ring_cp, "llama_factory", {}, {}):
         assert loss_err <= TOL and grad_err <= TOL and fallbacks == 0
         # one all-reduce per matrix (per layer wq wk wv wo w1 w2 w3; tok_emb, lm_head) and one bucket
         # for the five 1-D norm scales
@@ -98,11 +77,12 @@ def test_llama_on_four_ranks(ranks):
         assert summary["all_reduce_sum"] == 2  # loss sum and valid-label count, nothing else
 
 
+@pytest.mark.slow
 def test_label_shift_inside_model_is_exact_without_a_gather(ranks):
     """logits[:, :-1] against labels[:, 1:]: the loss runs on the whole logits with the labels
     padded by ignore_index (passes/loss_shift.py), so nothing is gathered (tests/test_zoo_shift.py)."""
-    shifted = {"shift_labels_inside": True}
-    for loss_err, grad_err, fallbacks, summary in ranks.run(2, _compare, "llama_factory", shifted, {}):
+    per_rank = ranks.run(2, example_through_ring_cp, "llama_factory", {"shift_labels_inside": True}, {})
+    for loss_err, grad_err, fallbacks, summary in per_rank:
         assert loss_err <= TOL and grad_err <= TOL
         assert fallbacks == 0 and summary["gather_seq"] == 0
 
@@ -154,6 +134,7 @@ def _grad_sync_none():
     return shares, grad_errors(cp_model, ref_model), ring_mismatches(backend, count.calls)
 
 
+@pytest.mark.slow
 def test_grad_sync_none_leaves_shares_that_sum_to_the_gradient(ranks):
     for shares, summed, rings in ranks.run(2, _grad_sync_none):
         assert max(summed.values()) <= TOL and not rings, (summed, rings)
@@ -184,6 +165,7 @@ def _train(steps: int):
     return losses[0::2], losses[1::2], param_err, ring_mismatches(backend, count.calls)
 
 
+@pytest.mark.slow
 def test_twenty_adamw_steps_track_single_device(ranks):
     for ref, cp, param_err, rings in ranks.run(2, _train, 20):
         assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref, cp)), list(zip(ref, cp))
@@ -191,6 +173,7 @@ def test_twenty_adamw_steps_track_single_device(ranks):
         assert param_err <= 1e-4 and not rings, (param_err, rings)
 
 
+@pytest.mark.slow
 def test_without_process_group_the_backend_is_a_passthrough():
     """In the pytest process (no torch.distributed): backend='ring_cp' by name, unchanged numbers;
     a RingCP object with the same options neither rewrites nor records a graph (so there is
@@ -234,10 +217,11 @@ def _graph_break():
     out.backward()
     assert [r for r in backend.records if r.attention] == [explained], (backend.records, explained)
     assert all(r.rings == 0 for r in backend.records if not r.attention), backend.records
-    return (*_errors(ref_model, ref, cp_model, out), len(backend.graphs), len(backend.no_attention),
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), len(backend.graphs), len(backend.no_attention),
             ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 def test_graph_break_between_layers_stays_exact(ranks):
     """Each compiled piece is rewritten on its own; hidden states cross the breaks full.
 
@@ -249,6 +233,7 @@ def test_graph_break_between_layers_stays_exact(ranks):
         assert loss_err <= TOL and grad_err <= TOL and not rings, (loss_err, grad_err, rings)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,factory,kw",
     [
@@ -259,7 +244,7 @@ def test_graph_break_between_layers_stays_exact(ranks):
     ],
 )
 def test_any_sequence_length_is_padded_and_exact(ranks, world, factory, kw):
-    for loss_err, grad_err, _fallbacks, summary in ranks.run(world, _compare, factory, kw, {}):
+    for loss_err, grad_err, _fallbacks, summary in ranks.run(world, example_through_ring_cp, factory, kw, {}):
         assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
         assert summary["ring_attention_fwd"] == 2
 
@@ -278,9 +263,10 @@ def _padded_all_labels_valid(seq_len: int):
     out = torch.compile(cp_model, backend=backend, fullgraph=True)(ids, labels)
     out.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 def test_padding_rows_never_count_in_the_loss(ranks):
     for loss_err, grad_err, rings in ranks.run(2, _padded_all_labels_valid, 62):
         assert loss_err <= TOL and grad_err <= TOL and not rings, (loss_err, grad_err, rings)
@@ -301,12 +287,14 @@ def _meta_shapes():
     return tuple(q.meta["val"].shape), tuple(facts(q).global_val.shape)
 
 
+@pytest.mark.slow
 def test_rewritten_graph_metadata_holds_local_and_global_shapes(ranks):
     """S=50 pads to 52 on 2 ranks: each holds 26 tokens; q is (B, H, 26, D) locally, (B, H, 50, D) globally."""
     for local, global_ in ranks.run(2, _meta_shapes):
         assert local == (2, 4, 26, 16) and global_ == (2, 4, 50, 16)
 
 
+@pytest.mark.slow
 def test_backend_name_resolves_without_importing_cp_compile():
     """The torch_dynamo_backends entry point: a fresh interpreter that never imports cp_compile."""
     import subprocess
@@ -336,6 +324,7 @@ def _count_ring_exchanges():
     return [call.args[3] for call in spy.call_args_list]  # the tags: K/V hops vs dK/dV hops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_step_issues_exactly_the_expected_ring_transfers(ranks, world):
     """Per attention layer: N-1 K/V hops forward, N-1 K/V hops + N dK/dV hops backward."""

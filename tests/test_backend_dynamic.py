@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 import cp_compile
 import models
-from checks import AttentionCount, explain_record, layout_mismatches, rel, ring_mismatches
-from test_backend import _errors  # the same error measures as the static-shape tests
+from checks import AttentionCount, explain_record, layout_mismatches, loss_and_grad_errors, rel, ring_mismatches
 
 TOL = 1e-5
 
@@ -39,6 +38,7 @@ def _outputs(mode: str, dynamic):
             ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,dynamic", [("full", None), ("local", None), ("local", True)],
                          ids=["full-static", "local-static", "local-dynamic"])
 def test_outputs_full_and_local(ranks, mode, dynamic):
@@ -79,6 +79,7 @@ def _lengths(dynamic):
     return errs, layouts, len(backend.graphs), ring_mismatches(backend, count.calls, compiles=len(GRAPHS[dynamic]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, None, True], ids=["static", "automatic", "dynamic"])
 def test_changing_sequence_lengths_stay_exact(ranks, dynamic):
     """Static: one graph per length. Automatic (the default): Dynamo makes S symbolic at the
@@ -107,9 +108,10 @@ def _compare_dynamic(factory: str, kw: dict):
     out = torch.compile(cp_model, backend=backend, dynamic=True)(*inputs)
     out.backward()
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
-    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "factory,kw",
     [("gpt2_factory", {"seq_len": 37}), ("encoder_factory", {"seq_len": 30}),
@@ -141,9 +143,10 @@ def _local_inputs(dynamic):
     assert backend.records == [explained], (backend.records, explained)  # explain says what the runtime did
     assert backend.records[0].sharded_fraction >= 0.9, backend.records  # the llama holds nearly all sharded
     out.backward()
-    return (*_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
+@pytest.mark.slow
 def test_local_inputs_with_a_symbolic_length_are_exact(ranks):
     for res in ranks.run(2, _local_inputs, True):
         assert isinstance(res, tuple), res
@@ -155,6 +158,7 @@ def test_local_inputs_with_static_shapes_name_the_fix(ranks):
         assert isinstance(msg, str) and "dynamic=True" in msg and "inputs='local'" in msg, msg
 
 
+@pytest.mark.slow
 def test_local_length_specialized_under_dynamic_names_the_cause() -> None:
     """inputs="local" always traces dynamic, yet a local length equal to the head dim (16) shares its
     symbol (duck sizing) and becomes that constant: the error says so, not just "use dynamic=True".

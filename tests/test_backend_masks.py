@@ -17,7 +17,6 @@ checks that every attention of that run became the ring:
 
 from __future__ import annotations
 
-from typing import Optional
 
 import pytest
 import torch
@@ -26,70 +25,23 @@ import torch.nn.functional as F
 import hf_models
 
 import cp_compile
-from checks import AttentionCount, explain_record, grad_errors, layout_mismatches, rel, ring_mismatches
+from checks import (AttentionCount, MaskedAttention, explain_record, grad_errors, layout_mismatches, masked_inputs,
+                    rel, ring_mismatches)
 
 TOL = 1e-5
 B, D = 2, 16
-
-
-class MaskedAttention(torch.nn.Module):
-    """Two attention layers over x (B, S, 16) sharing one mask, built as ``kind`` says."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.kind = kind
-        self.qkv = torch.nn.ModuleList(torch.nn.Linear(D, 3 * D) for _ in range(2))
-        self.head = torch.nn.Linear(D, 1)
-
-    def mask(self, S: int, padding: Optional[torch.Tensor], given: Optional[torch.Tensor]) -> torch.Tensor:
-        qi = torch.arange(S)[None, None, :, None]  # (1, 1, S, 1)
-        ki = torch.arange(S)[None, None, None, :]  # (1, 1, 1, S)
-        return {
-            "causal_padding": lambda: (ki <= qi) & padding[torch.arange(B)[:, None, None, None], ki],
-            "no_upper_bound": lambda: ki > qi - 4,
-            "bidirectional_window": lambda: (ki > qi - 5) & (ki < qi + 3),
-            "float": lambda: (ki <= qi).float(),  # added to the scores: 1 on the causal part, 0 elsewhere
-            "given": lambda: given,
-            "query_key_padding": lambda: padding[torch.arange(B)[:, None, None, None], qi] & padding[
-                torch.arange(B)[:, None, None, None], ki],  # reads an input: no rule of positions (rewrite only)
-        }[self.kind]()
-
-    def forward(self, x: torch.Tensor, padding: Optional[torch.Tensor] = None,
-                given: Optional[torch.Tensor] = None) -> torch.Tensor:
-        S = x.shape[1]
-        mask = self.mask(S, padding, given)
-        for qkv in self.qkv:
-            q, k, v = qkv(x).view(B, S, 3, 2, D // 2).permute(2, 0, 3, 1, 4)  # 3 x (B, 2, S, 8)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = x + out.transpose(1, 2).reshape(B, S, D)
-        return self.head(x).pow(2).mean()
-
-
-def _inputs(kind: str, S: int) -> dict:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(B, S, D, generator=g)
-    padding = torch.ones(B, S, dtype=torch.bool)
-    padding[0, S - 5:] = False  # row 0: right padding; every query still sees its first key
-    given = None
-    if kind == "given":  # a random bool mask (diagonal kept: no query sees nothing) ...
-        given = (torch.rand(B, 1, S, S, generator=g) < 0.5) | torch.eye(S, dtype=torch.bool)
-    if kind == "given_additive":  # ... or an additive one per head, with finfo.min as Hugging Face writes it
-        keep = (torch.rand(B, 2, S, S, generator=g) < 0.5) | torch.eye(S, dtype=torch.bool)
-        given = torch.zeros(B, 2, S, S).masked_fill(~keep, torch.finfo(torch.float32).min)
-    return {"x": x, "padding": padding, "given": given}
 
 
 def _rank_masked(kind: str, S: int, dynamic: bool = False) -> dict:
     """Errors of ring_cp against one process; ``dynamic``: one graph for S and S - 2 (padded)."""
     model = kind.replace("_additive", "")
     ref_model, cp_model = MaskedAttention(model), MaskedAttention(model)
-    explained = explain_record(ref_model, (), _inputs(kind, S), world_size=2, dynamic=dynamic)
+    explained = explain_record(ref_model, (), masked_inputs(kind, S), world_size=2, dynamic=dynamic)
     backend = cp_compile.RingCP(inner="aot_eager")
     compiled = torch.compile(cp_model, backend=backend, fullgraph=True, dynamic=dynamic or None)
     loss_err = grad_err = 0.0
     for length in ((S, S - 2) if dynamic else (S,)):
-        inputs = _inputs(kind, length)
+        inputs = masked_inputs(kind, length)
         for m in (ref_model, cp_model):
             m.zero_grad(set_to_none=True)
         with AttentionCount() as count:
@@ -158,6 +110,7 @@ def _rank_hf_padded(family: str, side: str, overrides: dict) -> dict:
             "ring_mismatches": ring_mismatches(backend, count.calls)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,side,overrides,window", [
     ("llama", "right", {}, -1),
     ("llama", "left", {}, -1),
@@ -184,7 +137,7 @@ def test_no_rank_builds_more_of_a_mask_than_its_rows(kind: str, largest: tuple) 
     query (read from an input: no rule of positions) is built as this rank's (c, S) rows, never (S, S)."""
     from cp_compile.tools.explain import explain_model
 
-    inputs = _inputs(kind, 64)
+    inputs = masked_inputs(kind, 64)
     report = explain_model(MaskedAttention(kind), (inputs["x"], inputs["padding"]), world_size=2)
     mask_like = [s[-2:] for s in _local_shapes(report) if len(s) == 4 and s[-1] == 64]  # (B|1, H|1, rows, keys)
     assert mask_like and max(mask_like, key=lambda s: s[0] * s[1]) == largest, mask_like
@@ -210,6 +163,7 @@ def test_a_mask_that_needs_a_gradient_is_refused_with_line_and_fix() -> None:
     assert "requires grad" in text and "test_backend_masks.py:" in text and "Fix:" in text, text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal_padding", "no_upper_bound"])
 def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
     """dynamic=True: one graph serves S = 32 and 30 (padded); the mask rows are built from the
@@ -219,6 +173,7 @@ def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
         assert r["graphs"] == 1 and not r["ring_mismatches"], (rank, r)
 
 
+@pytest.mark.slow
 def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) -> None:
     """A mask that varies by query costs O(S^2 / N) per rank: one warning per process (then
     info), naming the attention's source line and the cheaper forms; key padding warns not."""
@@ -229,12 +184,12 @@ def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) 
 
     monkeypatch.setattr(mask_rows, "_warned", False)
     caplog.set_level(logging.INFO, logger="cp_compile")
-    inputs = _inputs("causal_padding", 32)
+    inputs = masked_inputs("causal_padding", 32)
     explain_model(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
-    given = _inputs("given", 32)["given"]  # an S x S mask passed in: no rule of positions
+    given = masked_inputs("given", 32)["given"]  # an S x S mask passed in: no rule of positions
     for _ in range(2):
         explain_model(MaskedAttention("given"), (inputs["x"], None, given), world_size=2)
     about = [r for r in caplog.records if "explicit" in r.getMessage() and "query rows" in r.getMessage()]
     assert [r.levelname for r in about] == ["WARNING", "INFO"], [(r.levelname, r.getMessage()) for r in about]
     text = about[0].getMessage()
-    assert "test_backend_masks.py:" in text and "Cheaper: is_causal=True" in text and "(B, 1, 1, S)" in text, text
+    assert "checks.py:" in text and "Cheaper: is_causal=True" in text and "(B, 1, 1, S)" in text, text

@@ -129,6 +129,7 @@ FORMS = ["non_reentrant", "reentrant", "checkpoint_wrapper", "selective", "neste
 CASES = [(form, 2) for form in FORMS] + [("checkpoint_wrapper", 4), ("selective", 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form, world", CASES, ids=[f"{f}-{w}" for f, w in CASES])
 def test_checkpointed_blocks_are_context_parallel_and_exact(ranks, form: str, world: int) -> None:
     for rank, r in enumerate(ranks.run(world, _run, form, timeout=300)):
@@ -173,6 +174,7 @@ def _run_hf(seq_len: int = 64) -> Dict[str, Any]:
             "regions": explained.regions, "ring_calls": seen["ring"], "attentions": count.calls}
 
 
+@pytest.mark.slow
 def test_hugging_face_gradient_checkpointing(ranks) -> None:
     for rank, r in enumerate(ranks.run(2, _run_hf, timeout=300)):
         assert r["loss"] <= TOL, (rank, r["loss"])

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import grad_errors, loss_through_ring_cp, rel
+from checks import grad_errors, loss_through_ring_cp, rel, twin_models
 
 S, E, H, DH, TOL = 16, 12, 2, 4, 1e-5  # S is one chunk: the sequence stays sharded through the reshape
 
@@ -89,9 +89,7 @@ class KimiDeltaLayer(nn.Module):
 
 
 def _compare() -> dict:
-    torch.manual_seed(0)
-    ref_model, cp_model = KimiDeltaLayer(), KimiDeltaLayer()
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(KimiDeltaLayer)
     x = torch.randn(2, S, E, generator=torch.Generator().manual_seed(1))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,))  # also: every attention the ring
     return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),

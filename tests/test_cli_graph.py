@@ -7,7 +7,6 @@ the add_*_parser functions, so these tests do not depend on cli.py.
 
 from __future__ import annotations
 
-import argparse
 import os
 import textwrap
 
@@ -15,24 +14,12 @@ import pytest
 import torch
 
 from cp_compile.tools import graph_commands as cli_graph
-from cp_compile.tools.graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
 from cp_compile.tools.explain import explain_model
 from cp_compile.tools.targets import TargetError, example_inputs, load_target
+from checks import LLAMA_TARGET, run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS_PY = os.path.join(REPO, "examples", "models.py")
-LLAMA = MODELS_PY + ":llama_factory"
-
-
-def run(argv, capsys):
-    parser = argparse.ArgumentParser(prog="cp-compile")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_dump_parser(sub)
-    add_explain_parser(sub)
-    args = parser.parse_args(argv)
-    code = {"dump": cmd_dump, "explain": cmd_explain}[args.command](args)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def after_section(text):
@@ -49,7 +36,7 @@ def shift_factory(tmp_path):
     path = tmp_path / "shifted.py"
     path.write_text(textwrap.dedent(f"""
         import importlib.util, sys
-        _spec = importlib.util.spec_from_file_location("cp_test_models", {os.path.join(REPO, "examples", "models.py")!r})
+        _spec = importlib.util.spec_from_file_location("cp_test_models", {MODELS_PY!r})
         models = importlib.util.module_from_spec(_spec)
         sys.modules["cp_test_models"] = models
         _spec.loader.exec_module(models)
@@ -61,7 +48,7 @@ def shift_factory(tmp_path):
 
 
 def test_dump_text_llama(capsys):
-    code, out, err = run(["dump", LLAMA], capsys)
+    code, out, err = run_cli(["dump", LLAMA_TARGET], capsys)
     assert code == 0, err
     before = out.split("== before", 1)[1].split("== after", 1)[0]
     assert "scaled_dot_product_attention" in before
@@ -87,15 +74,18 @@ def test_dump_text_llama(capsys):
     assert q.startswith("*") and "(2, 64, 4, 16) -> (2, 32, 4, 16)" in q  # view with a rewritten length
 
 
+@pytest.mark.slow
 def test_dump_world_size_4_striped(capsys):
-    code, out, _ = run(["dump", LLAMA, "--world-size", "4", "--seq-len", "128", "--load-balance", "striped"], capsys)
+    argv = ["dump", LLAMA_TARGET, "--world-size", "4", "--seq-len", "128", "--load-balance", "striped"]
+    code, out, _ = run_cli(argv, capsys)
     assert code == 0
     assert "(2, 128, 64) -> (2, 32, 64)" in out
     assert "load balance striped" in out
 
 
+@pytest.mark.slow
 def test_explain_llama_bytes_by_hand():
-    model, ex, kw = load_target(LLAMA)
+    model, ex, kw = load_target(LLAMA_TARGET)
     assert kw == {}
     r = explain_model(model, ex, world_size=4, example_kwargs=kw)
     B, H_kv, D, S, N, fp32 = 2, 2, 16, 64, 4, 4
@@ -122,7 +112,7 @@ def test_explain_llama_bytes_by_hand():
 
 
 def test_explain_text_llama(capsys):
-    code, out, err = run(["explain", LLAMA], capsys)
+    code, out, err = run_cli(["explain", LLAMA_TARGET], capsys)
     assert code == 0, err
     assert "attention: 2 node(s)" in out
     assert out.count("scaled_dot_product_attention") == 2
@@ -135,26 +125,28 @@ def test_explain_text_llama(capsys):
     assert out.count("mask: causal by position (no mask tensor)") == 2
 
 
+@pytest.mark.slow
 def test_explain_shift_inside_gathers_nothing(shift_factory, capsys):
     """The label shift inside forward() moves the labels, not the logits (passes/loss_shift.py)."""
-    code, out, err = run(["explain", shift_factory], capsys)
+    code, out, err = run_cli(["explain", shift_factory], capsys)
     assert code == 0, err
     assert "fallbacks: none" in out
     assert "all_gather (fallbacks)" not in out
-    code, dump, _ = run(["dump", shift_factory], capsys)
+    code, dump, _ = run_cli(["dump", shift_factory], capsys)
     kinds = [kind_of(ln) for ln in after_section(dump) if ln.strip()]
     assert kinds.count("gather") == 0
 
 
+@pytest.mark.slow
 def test_dump_html_and_dot(tmp_path, capsys):
-    code, out, err = run(["dump", LLAMA, "--format", "html", "--out", str(tmp_path / "h")], capsys)
+    code, out, err = run_cli(["dump", LLAMA_TARGET, "--format", "html", "--out", str(tmp_path / "h")], capsys)
     assert code == 0, err
     files = os.listdir(tmp_path / "h")
     assert files == ["graph.html"]
     html = (tmp_path / "h" / "graph.html").read_text()
     assert html.count("<table>") == 2 and 'class="marked' in html and "<style>" in html
     assert "ring_attention" in html and "(2, 32, 64)" in html
-    code, out, err = run(["dump", LLAMA, "--format", "dot", "--out", str(tmp_path / "d")], capsys)
+    code, out, err = run_cli(["dump", LLAMA_TARGET, "--format", "dot", "--out", str(tmp_path / "d")], capsys)
     assert code == 0, err
     assert sorted(os.listdir(tmp_path / "d")) == ["after.dot", "before.dot"]
     dot = (tmp_path / "d" / "after.dot").read_text()
@@ -163,38 +155,38 @@ def test_dump_html_and_dot(tmp_path, capsys):
 
 def test_svg_without_graphviz(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli_graph.shutil, "which", lambda name: None)
-    code, _, err = run(["dump", LLAMA, "--format", "svg", "--out", str(tmp_path)], capsys)
+    code, _, err = run_cli(["dump", LLAMA_TARGET, "--format", "svg", "--out", str(tmp_path)], capsys)
     assert code == 2
     assert "graphviz" in err and "--format dot" in err and "--format html" in err
 
 
 def test_bad_targets(tmp_path, capsys):
-    code, _, err = run(["explain", "examples/models.py"], capsys)
+    code, _, err = run_cli(["explain", "examples/models.py"], capsys)
     assert code == 2 and "path/to/file.py:factory" in err
-    code, _, err = run(["explain", str(tmp_path / "missing.py") + ":f"], capsys)
+    code, _, err = run_cli(["explain", str(tmp_path / "missing.py") + ":f"], capsys)
     assert code == 2 and "does not exist" in err
-    code, _, err = run(["explain", LLAMA.replace("llama_factory", "nope")], capsys)
+    code, _, err = run_cli(["explain", LLAMA_TARGET.replace("llama_factory", "nope")], capsys)
     assert code == 2 and "no function 'nope'" in err and "llama_factory" in err and "gpt2_factory" in err
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\n"
                    "def boom(): raise RuntimeError('no weights here')\n"
                    "def single(): return torch.nn.Linear(2, 2)\n"
                    "def fixed(): return torch.nn.Linear(2, 2), (torch.zeros(1, 2),)\n")
-    code, _, err = run(["explain", f"{bad}:boom"], capsys)
+    code, _, err = run_cli(["explain", f"{bad}:boom"], capsys)
     assert code == 2 and "RuntimeError: no weights here" in err
-    code, _, err = run(["explain", f"{bad}:single"], capsys)
+    code, _, err = run_cli(["explain", f"{bad}:single"], capsys)
     assert code == 2 and "(model, args), (model, kwargs) or (model, args, kwargs)" in err and "Linear" in err
-    code, _, err = run(["explain", f"{bad}:fixed", "--seq-len", "32"], capsys)
+    code, _, err = run_cli(["explain", f"{bad}:fixed", "--seq-len", "32"], capsys)
     assert code == 2 and "seq_len" in err and "--seq-len" in err
 
 
 def test_bad_arguments(capsys):
     with pytest.raises(SystemExit) as e:
-        run(["dump", LLAMA, "--world-size", "1"], capsys)
+        run_cli(["dump", LLAMA_TARGET, "--world-size", "1"], capsys)
     assert e.value.code == 2
     assert ">= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        run(["dump", LLAMA, "--stage", "optimizer"], capsys)
+        run_cli(["dump", LLAMA_TARGET, "--stage", "optimizer"], capsys)
     assert e.value.code == 2
 
 
@@ -202,36 +194,37 @@ def test_no_attention_graph(tmp_path, capsys):
     f = tmp_path / "mlp.py"
     f.write_text("import torch\n"
                  "def factory(): return torch.nn.Linear(4, 4), (torch.zeros(2, 8, 4),)\n")
-    code, out, err = run(["explain", f"{f}:factory"], capsys)
+    code, out, err = run_cli(["explain", f"{f}:factory"], capsys)
     assert code == 0, err
     assert "attention: none found" in out
-    code, out, err = run(["dump", f"{f}:factory"], capsys)
+    code, out, err = run_cli(["dump", f"{f}:factory"], capsys)
     assert code == 0 and "unchanged (no attention" in out
 
 
 def test_help_mentions_example(capsys):
     for cmd in ("dump", "explain"):
         with pytest.raises(SystemExit) as e:
-            run([cmd, "--help"], capsys)
+            run_cli([cmd, "--help"], capsys)
         assert e.value.code == 0
         assert "examples/models.py:llama_factory" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dump_backward_stage_shows_the_ring_and_every_gradient_all_reduce(capsys):
     """The per-rank backward graph AOTAutograd makes: 2 ring backward ops, and one all-reduce
     (+ wait) per matrix (16), for the bucket of 1-D norm scales (1) and for the global loss sum (1)."""
-    code, out, _ = run(["dump", LLAMA, "--stage", "backward"], capsys)
+    code, out, _ = run_cli(["dump", LLAMA_TARGET, "--stage", "backward"], capsys)
     assert code == 0
     lines = [ln for ln in out.splitlines() if ln.startswith("*")]
     assert sum("ring_attention_bwd" in ln for ln in lines) == 2
     assert sum("_c10d_functional.all_reduce" in ln for ln in lines) == 16 + 1 + 1
     assert sum("wait_tensor" in ln for ln in lines) == 16 + 1 + 1
-    code, out, _ = run(["dump", LLAMA, "--stage", "forward"], capsys)
+    code, out, _ = run_cli(["dump", LLAMA_TARGET, "--stage", "forward"], capsys)
     assert code == 0 and "ring_attention_fwd" in out and "== forward graph" in out
 
 
 def test_dump_aot_stages_are_text_only(capsys):
-    code, _, err = run(["dump", LLAMA, "--stage", "all", "--format", "html"], capsys)
+    code, _, err = run_cli(["dump", LLAMA_TARGET, "--stage", "all", "--format", "html"], capsys)
     assert code == 2 and "--format text" in err
 
 
@@ -270,18 +263,19 @@ def _without_target(text, target):
     return text.replace(target, "TARGET")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form,reference", [("tensor_only", "ids_positional"), ("kwargs_only", None),
                                             ("args_and_kwargs", None)])
 def test_factory_return_forms_explain_and_dump(forms_factory, form, reference, capsys):
     """Each accepted form traces the very call its positional twin does: explain and dump print
     the same report (the example Llama's own factory returns (model, (input_ids, labels)))."""
     target = f"{forms_factory}:{form}"
-    ref = f"{forms_factory}:{reference}" if reference else LLAMA
+    ref = f"{forms_factory}:{reference}" if reference else LLAMA_TARGET
     outs = {}
     for command in ("explain", "dump"):
-        code, outs[command], err = run([command, target], capsys)
+        code, outs[command], err = run_cli([command, target], capsys)
         assert code == 0, err
-        code, expected, err = run([command, ref], capsys)
+        code, expected, err = run_cli([command, ref], capsys)
         assert code == 0, err
         assert _without_target(outs[command], target) == _without_target(expected, ref)
     assert "sharded inputs: input_ids (dim 1)" in outs["explain"] and "attention: 2 node(s)" in outs["explain"]
@@ -319,13 +313,13 @@ def test_bad_factory_returns_list_the_accepted_forms(tmp_path, capsys):
                 "inputs_first": "a tuple of (tuple, Linear)"}
     for name, got in returned.items():
         for command in ("explain", "dump"):
-            code, _, err = run([command, f"{bad}:{name}"], capsys)
+            code, _, err = run_cli([command, f"{bad}:{name}"], capsys)
             assert code == 2, (name, err)
             assert forms in err and f"it returned {got}" in err and "Fix: return" in err, err
             assert "torch.export" in err and "single tensor" in err, err
-    code, _, err = run(["explain", f"{bad}:keys_not_names"], capsys)
+    code, _, err = run_cli(["explain", f"{bad}:keys_not_names"], capsys)
     assert code == 2 and "not argument names: [0]" in err and "Fix:" in err, err
-    code, _, err = run(["explain", f"{bad}:unknown_keyword"], capsys)
+    code, _, err = run_cli(["explain", f"{bad}:unknown_keyword"], capsys)
     assert code == 2 and "['inputs']" in err and "Linear.forward(input: torch.Tensor)" in err, err
     assert "Fix: key them by its parameter names (input)" in err, err
 
@@ -355,6 +349,7 @@ def packed_with_cache(seq_len=64):   # the KV cache makes Hugging Face ignore pa
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,seq_len", [(2, 64), (4, 60)])
 def test_explain_hf_llama_packed_documents_states_the_document_ids(tmp_path, capsys, world, seq_len):
     """HF Llama called with keywords, position_ids restarting at each document and use_cache=False:
@@ -371,7 +366,8 @@ def test_explain_hf_llama_packed_documents_states_the_document_ids(tmp_path, cap
     rings = [n for n in report.after.graph.nodes if "ring_attention_fwd" in str(n.target)]
     given = [("attn_mask" in n.kwargs, tuple(n.kwargs["doc_ids"].meta["val"].shape)) for n in rings]
     assert given == [(False, (B, seq_len))] * 2, given  # what the ring ops are given
-    code, out, err = run(["explain", f"{path}:packed", "--world-size", str(world), "--seq-len", str(seq_len)], capsys)
+    argv = ["explain", f"{path}:packed", "--world-size", str(world), "--seq-len", str(seq_len)]
+    code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("mask")]
     size = "1.0 KiB" if B * seq_len * 8 == 1024 else f"{B * seq_len * 8} B"
@@ -379,6 +375,7 @@ def test_explain_hf_llama_packed_documents_states_the_document_ids(tmp_path, cap
     assert lines == ["mask: causal by position, documents by their ids (no mask tensor)", form] * 2, lines
 
 
+@pytest.mark.slow
 def test_explain_hf_llama_with_cache_still_prints_every_mask(tmp_path, capsys):
     """Without use_cache=False HF keeps its KV cache and skips the packed-document mask (is_causal=True):
     the graph explain traces has no mask tensor, and it says so for every attention rather than
@@ -386,6 +383,6 @@ def test_explain_hf_llama_with_cache_still_prints_every_mask(tmp_path, capsys):
     pytest.importorskip("transformers")
     path = tmp_path / "hf_packed.py"
     path.write_text(HF_PACKED)
-    code, out, err = run(["explain", f"{path}:packed_with_cache"], capsys)
+    code, out, err = run_cli(["explain", f"{path}:packed_with_cache"], capsys)
     assert code == 0, err
     assert out.count("mask: causal by position (no mask tensor)") == 2, out

@@ -10,23 +10,23 @@ import os
 
 import pytest
 
-from test_cli_graph import LLAMA, run
-
 from cp_compile.tools.explain import explain_model
 from cp_compile.tools.targets import load_target
+from checks import LLAMA_TARGET, run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [
     [], ["--dynamic"], ["--inputs", "local"], ["--inputs", "full"], ["--outputs", "local"], ["--outputs", "full"],
     ["--grad-sync", "none"], ["--grad-sync", "allreduce"], ["--kernel", "reference"], ["--rotate", "allgather"],
     ["--rotate", "p2p"], ["--strict"], ["--seq-inputs", "auto"], ["--seq-inputs", "input_ids=1,labels=1"],
 ], ids=lambda f: " ".join(f) or "defaults")
 def test_every_option_flag_runs_and_reaches_the_rewrite(flags, capsys):
-    code, out, err = run(["explain", LLAMA, *flags], capsys)
+    code, out, err = run_cli(["explain", LLAMA_TARGET, *flags], capsys)
     assert code == 0, err
-    model, args, kwargs = load_target(LLAMA)
+    model, args, kwargs = load_target(LLAMA_TARGET)
     options = {"inputs": "full", "outputs": "full", "grad_sync": "allreduce", "kernel": "auto", "rotate": "p2p",
                "seq_inputs": "auto", "strict": False}
     for name, value in zip(flags[::2], flags[1::2] + [None]):
@@ -51,14 +51,14 @@ def test_strict_refuses_what_would_gather(tmp_path, capsys):
                     "        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)\n"
                     "        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()\n"
                     "def factory(seq_len=64):\n    return M(), (torch.randint(0, 32, (2, seq_len)),)\n")
-    code, _, err = run(["explain", f"{path}:factory"], capsys)
+    code, _, err = run_cli(["explain", f"{path}:factory"], capsys)
     assert code == 0, err
-    code, _, err = run(["explain", f"{path}:factory", "--strict"], capsys)
+    code, _, err = run_cli(["explain", f"{path}:factory", "--strict"], capsys)
     assert code == 1 and "strict" in err
 
 
 def test_bad_seq_inputs_names_the_form(capsys):
     with pytest.raises(SystemExit) as e:
-        run(["explain", LLAMA, "--seq-inputs", "input_ids"], capsys)
+        run_cli(["explain", LLAMA_TARGET, "--seq-inputs", "input_ids"], capsys)
     assert e.value.code == 2
     assert "NAME=DIM" in capsys.readouterr().err

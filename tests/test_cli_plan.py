@@ -164,6 +164,7 @@ def test_main_warns_contiguous_causal_and_nothing_fits(capsys):
     assert "warning: causal contiguous is ~1.88x slower than zigzag" in out
 
 
+@pytest.mark.slow
 def test_module_entry_point():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     run = lambda *a: subprocess.run([sys.executable, "-m", "cp_compile.tools.cli", *a],  # noqa: E731

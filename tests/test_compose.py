@@ -154,6 +154,7 @@ def _check(per_rank: list, reference) -> None:
 RECIPES = ["fsdp_hsdp", "fsdp_flat", "ddp", "fsdp_dp_allreduce", "ddp_dp_allreduce"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_dp_x_cp_equals_one_process_on_the_global_batch(ranks, reference, recipe):
     per_rank = ranks.run(4, _compose, recipe, {}, timeout=300)
@@ -162,6 +163,7 @@ def test_dp_x_cp_equals_one_process_on_the_global_batch(ranks, reference, recipe
     _check(per_rank, reference)
 
 
+@pytest.mark.slow
 def test_per_layer_fsdp_with_grad_sync_none_equals_one_process(ranks, reference):
     """FSDP's hooks split the model: the graphs without attention (embedding, final norm, head)
     leave their parameters a 1/cp share too, so HSDP's sum over cp is the gradient."""
@@ -172,6 +174,7 @@ def test_per_layer_fsdp_with_grad_sync_none_equals_one_process(ranks, reference)
     _check(per_rank, reference)
 
 
+@pytest.mark.slow
 def test_ddp_optimizer_with_grad_sync_none_equals_one_process(ranks, split_reference):
     """DDPOptimizer on: the pieces' inputs computed by an earlier piece are activations (full
     gradient, sharded where they reach attention), not parameters."""
@@ -183,6 +186,7 @@ def test_ddp_optimizer_with_grad_sync_none_equals_one_process(ranks, split_refer
     _check(per_rank, split_reference)
 
 
+@pytest.mark.slow
 def test_ddp_default_mean_over_dp_x_cp_halves_the_gradient(ranks, reference):
     """Control: DDP's own hook divides by dp x cp = 4 where dp = 2 is right, so with
     grad_sync="none" every gradient comes out at exactly 1/CP of the true one."""
@@ -231,6 +235,7 @@ def _graph_break_shares(model_kw: dict):
     return errs, len(backend.graphs), len(backend.no_attention), ring_mismatches(backend, len(cp_model.layers))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_kw", [
     # embedding | layers | norm + head + loss: the first and last graphs have no attention
     {"graph_break_after_embedding": True, "graph_break_before_head": True},

@@ -91,6 +91,7 @@ def _accumulate(recipes: list, dp: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)], ids=["N2_dp1_cp2", "N4_dp2_cp2"])
 def test_gradient_accumulation_with_no_sync_equals_one_process(ranks, dp, cp):
     """MICRO micro-batches per step, the DP wrapper's reduction skipped on all but the last (DDP
@@ -181,6 +182,7 @@ def _errors(loss: torch.Tensor, grads: dict, truth: tuple) -> dict:
     return {"loss": rel(loss, true_loss), **{n: rel(grads[n], g) for n, g in true_grads.items()}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, cp", [(1, 2), (2, 2)], ids=["N2_dp1_cp2", "N4_dp2_cp2"])
 def test_fsdp_bf16_mixed_precision_within_twice_the_one_process_error(ranks, dp, cp):
     """FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with ring_cp on the (dp, cp)

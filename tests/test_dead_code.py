@@ -8,12 +8,14 @@ otherwise stay in the graph, run on every rank, and count in the record's bytes 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
 from cp_compile.passes.propagate.emitter import mutates
+from checks import twin_models
 
 VOCAB, DIM, HEADS, SEQ = 64, 32, 4, 16
 
@@ -39,6 +41,7 @@ def _dead(gm: fx.GraphModule) -> list:
             if n.op in ("call_function", "call_method") and not n.users and not mutates(n)]
 
 
+@pytest.mark.slow
 def test_no_dead_values_after_the_rewrite() -> None:
     from cp_compile.tools.explain import explain_model
 
@@ -78,10 +81,7 @@ def _vmapped() -> dict:
     import cp_compile
     from checks import grad_errors, rel
 
-    torch.manual_seed(0)
-    ref_model = VmappedScan()
-    cp_model = VmappedScan()
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(VmappedScan)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     ref = ref_model(tokens)
     ref.backward()

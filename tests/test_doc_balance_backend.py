@@ -139,11 +139,13 @@ def _hand(form: str, lengths: List[List[int]], hidden: bool = False) -> dict:
     return _run(lambda: (_Hidden if hidden else DocAttention)(form), inputs, lengths)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,form,hidden", [(2, "index", False), (4, "head_dim_last", False), (4, "index", True)])
 def test_hand_written_packed_model_is_exact(ranks, world: int, form: str, hidden: bool) -> None:
     _check(ranks.run(world, _hand, form, LENGTHS, hidden, timeout=240))
 
 
+@pytest.mark.slow
 def test_the_graph_table_balances_where_zigzag_does_not(ranks) -> None:
     """One long document then short ones: the table the graph computed is balanced by visible pairs."""
     results = ranks.run(4, _hand, "index", [SKEWED], timeout=240)
@@ -156,6 +158,7 @@ def _llama() -> dict:
     return _run(PackedLlama, (ids, labels, _positions(LENGTHS)), LENGTHS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_hf_llama_packed_is_exact(ranks, world: int) -> None:
     results = ranks.run(world, _llama, timeout=300)
@@ -172,6 +175,7 @@ def _inspect(model, args, **options):
     return explain_model(model, args, world_size=options.pop("world_size", 2), load_balance="documents", **options)
 
 
+@pytest.mark.slow
 def test_an_attention_without_documents_is_refused() -> None:
     import models
 
@@ -202,7 +206,9 @@ def test_explain_names_the_layout() -> None:
     assert sum(n.target is torch.ops.cp_compile.document_table.default for n in report.after.graph.nodes) == 1
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_are_refused() -> None:
     x = torch.randn(2, S, 16)
-    with pytest.raises(CPRewriteError, match=r"sequence length is dynamic.*Fix: torch.compile\(\.\.\., dynamic=False\)"):
+    fix = r"sequence length is dynamic.*Fix: torch.compile\(\.\.\., dynamic=False\)"
+    with pytest.raises(CPRewriteError, match=fix):
         _inspect(DocAttention("index"), (x, _doc_ids(LENGTHS)), dynamic=True)

@@ -76,6 +76,7 @@ def packings(draw):
     return lengths, world
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(packings(), st.sampled_from([None, 1, 4, 64]))
 def test_partition_equal_counts_sorted(packing, min_chunk):
@@ -175,6 +176,7 @@ def test_tile_model_matches_brute_force(seed, bm, bn):
         assert torch.equal(tiles, step_pairs(lengths, layout))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len,world", [(16384, 4), (32768, 8)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_realistic_packing_is_balanced(seq_len, world, seed):

@@ -249,6 +249,7 @@ def test_waits_get_the_op_timeout(monkeypatch):
 # --------------------------------------------------------------------------- a faulty peer
 
 
+@pytest.mark.slow
 def test_peer_exits_during_step_1_two_ranks():
     """Rank 1 dies in forward step 1 (the last one): rank 0 finishes its forward, and its
     backward's first K/V hop to rank 1 fails (connection reset, not the 30 s timeout), naming rank 1."""
@@ -258,6 +259,7 @@ def test_peer_exits_during_step_1_two_ranks():
     assert "(backward K/V)" in msg and "ring step 1 of 2" in msg and TRANSFER_FAILED in msg, msg
 
 
+@pytest.mark.slow
 def test_peer_exits_during_step_1_four_ranks():
     """Rank 1 dies in forward step 1 of 4: its ring neighbours (0 sends to it, 2 receives
     from it) name it; rank 3, whose neighbours then fail, raises too; nobody hangs (each
@@ -269,6 +271,7 @@ def test_peer_exits_during_step_1_four_ranks():
     _check_named_error(answers[3], 3, None, limit="10 s")
 
 
+@pytest.mark.slow
 def test_peer_raises_and_stays_alive_times_out():
     """Rank 1 of 3 raises in forward step 1 and stays alive without communicating: the
     others give up when the op's timeout (2 s) runs out, naming the peer they waited for."""
@@ -284,6 +287,7 @@ def test_peer_raises_and_stays_alive_times_out():
     assert "no answer within 2 s. " in answers[0][1] and "rank 1" in answers[0][1], answers[0]
 
 
+@pytest.mark.slow
 def test_default_limit_is_the_process_group_timeout():
     """No timeout given: a wait is bounded by the process group's own timeout (here 3 s),
     and the error says so."""
@@ -292,6 +296,7 @@ def test_default_limit_is_the_process_group_timeout():
     assert "no answer within 3 s (the process group's timeout). " in msg, msg
 
 
+@pytest.mark.slow
 def test_backend_timeout_reaches_the_ring():
     """RingCP(timeout=10): rank 1 raises inside the compiled model's first attention; rank 0
     goes on to the second attention, whose argument check (an all-gather every ring call

@@ -70,6 +70,7 @@ def _compare(style: str) -> dict:
 CASES = [(style, 2) for style in STYLES] + [(style, 4) for style in FOUR_RANKS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,world", CASES)
 def test_flex_model_is_exact_and_ring_only(ranks, style, world):
     for rank, r in enumerate(ranks.run(world, _compare, style, timeout=300)):
@@ -110,6 +111,7 @@ def _lse_run() -> tuple:
     return [rel(a, b) for a, b in zip(got, ref)], ring_mismatches(backend, 1)  # _WithLse: one flex_attention
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_return_lse_is_the_rings(ranks, world):
     for rank, (errors, rings) in enumerate(ranks.run(world, _lse_run, timeout=120)):
@@ -117,6 +119,7 @@ def test_return_lse_is_the_rings(ranks, world):
 
 
 # ------------------------------------------------------------------- single process
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["document_input", "alibi"])
 def test_reference_is_the_compiled_one_process_run(style):
     """The ranks compare with the eager model: flex compiles its op for one process anyway, and the
@@ -141,6 +144,7 @@ def _ring_calls(model: nn.Module, inputs: tuple) -> list:
     return [n for n in _after(model, inputs).graph.nodes if n.target is torch.ops.cp_compile.ring_attention_fwd.default]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,score,buffers", [
     ("causal", False, {}), ("document_buffer", False, {"mask_buffers": 1}),
     ("alibi", True, {"score_buffers": 1}), ("softcap", True, {}), ("outside_mask", False, {"mask_buffers": 1}),
@@ -161,6 +165,7 @@ def test_ring_op_gets_the_mods_and_whole_buffers(style, score, buffers):
             assert b.meta["val"].shape[-1] in (32, 4)  # whole: the sequence (S = 32), or the heads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,form", [
     ("alibi", "mask_mod from flex_attention + score_mod from flex_attention; per rank: score_buffers 1 tensor(s) 16 B"),
     ("causal", "mask_mod from flex_attention; per rank: no mask tensor"),
@@ -202,10 +207,12 @@ class _Probe(nn.Module):
         return flex_attention(q, k, v, block_mask=blocks).sum()  # "plain", "tensors_only"
 
 
+@pytest.mark.slow
 def test_learned_score_buffer_is_refused():
     assert "requires grad" in _refusal(_Probe("learned"), (torch.randn(2, 32, 8),))
 
 
+@pytest.mark.slow
 def test_max_scores_are_refused():
     """flex refuses max_scores on CPU before Dynamo records it, so the request is set on the traced node
     (kernel_options["OUTPUT_MAX"], what flex records on a GPU)."""
@@ -225,15 +232,18 @@ def test_max_scores_are_refused():
     assert "flex_attention" in msg and "test_flex_attention.py" in msg and "max_scores" in msg and "Fix:" in msg
 
 
+@pytest.mark.slow
 def test_lse_whose_gradient_the_ring_drops_is_refused():
     assert "lse" in _refusal(_Probe("lse_grad"), (torch.randn(2, 32, 8),))
 
 
+@pytest.mark.slow
 def test_detached_lse_is_the_rings():
     calls = _ring_calls(_Probe("lse_detached"), (torch.randn(2, 32, 8),))
     assert len(calls) == 1 and "mods" not in calls[0].kwargs  # no block_mask, no score_mod: plain attention
 
 
+@pytest.mark.slow
 def test_block_mask_from_block_tensors_only_is_refused():
     ones = torch.ones(1, 1, 1, dtype=torch.int32)
     blocks = BlockMask.from_kv_blocks(ones, torch.zeros(1, 1, 1, 1, dtype=torch.int32), BLOCK_SIZE=32,

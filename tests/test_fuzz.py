@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -41,8 +42,8 @@ from hypothesis import strategies as st
 import models
 
 import cp_compile
-from checks import AttentionCount, explain_record, grad_errors, rel, ring_mismatches
-from test_ring_exact import _ring_fwd_bwd, assemble, make_inputs, relerr, sdpa_fwd_bwd
+from checks import (AttentionCount, assemble, explain_record, loss_and_grad_errors, make_inputs, rel,
+                    ring_fwd_bwd, ring_mismatches, sdpa_fwd_bwd)
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -81,7 +82,7 @@ def ring_cases(draw, world: int) -> dict:
 
 def _ring_case_rank_fn(cfg: dict):
     q, k, v, dout = make_inputs(cfg)
-    return _ring_fwd_bwd(q, k, v, dout, cfg, cfg["rotate"], getattr(torch, cfg["dtype"]), scale=cfg["scale"])
+    return ring_fwd_bwd(q, k, v, dout, cfg, cfg["rotate"], getattr(torch, cfg["dtype"]), scale=cfg["scale"])
 
 
 def _run_ring(ranks, cfg: dict) -> list:
@@ -99,11 +100,11 @@ def _check_ring(ranks, cfg: dict) -> None:
     single = sdpa_fwd_bwd(q, k, v, dout, cfg["causal"], dtype, scale=cfg["scale"])
     for name, a, want, s in zip(("out", "dq", "dk", "dv"), got, ref64, single):
         assert torch.isfinite(a).all(), (name, cfg)
-        err = relerr(a, want)
+        err = rel(a, want)
         if dtype == torch.float32:
             assert err <= FP32_RTOL, (name, err, cfg)
         else:
-            single_err = relerr(s, want)
+            single_err = rel(s, want)
             assert err <= BF16_FACTOR * single_err and err < BF16_SANITY, (name, err, single_err, cfg)
 
 
@@ -163,7 +164,7 @@ def _model_case_fn(case: dict):
     # explain says what the runtime did; a CP group of 1 compiles the graph unchanged, recording nothing
     assert backend.records == ([explained] if world > 1 else []), (backend.records, explained, case)
     rings = ring_mismatches(backend, count.calls) if world > 1 else []
-    return rel(out.detach(), ref.detach()), max(grad_errors(cp_model, ref_model).values()), len(backend.graphs), rings
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), len(backend.graphs), rings)
 
 
 def _check_model(ranks, case: dict) -> None:
@@ -187,5 +188,5 @@ def _model_test(world: int):
 
 
 test_fuzz_models_world_1 = _model_test(1)
-test_fuzz_models_world_2 = _model_test(2)
-test_fuzz_models_world_4 = _model_test(4)
+test_fuzz_models_world_2 = pytest.mark.slow(_model_test(2))
+test_fuzz_models_world_4 = pytest.mark.slow(_model_test(4))

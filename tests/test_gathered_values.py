@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import grad_errors, loss_through_ring_cp, rel
+from checks import grad_errors, loss_through_ring_cp, rel, twin_models
 
 S, D = 16, 8
 
@@ -37,9 +37,7 @@ class WritesIntoGathered(nn.Module):
 
 
 def _compare() -> dict:
-    torch.manual_seed(0)
-    ref_model, cp_model = WritesIntoGathered(), WritesIntoGathered()
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(WritesIntoGathered)
     x = torch.randn(2, S, D, generator=torch.Generator().manual_seed(1))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,))  # also: every attention the ring
     return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),

@@ -137,6 +137,7 @@ def _compare(name: str) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(2, "causal"), (4, "causal"), (2, "3-d"), (2, "padding")])
 def test_hand_written_attention_becomes_the_ring(ranks, world: int, name: str) -> None:
     for rank, r in enumerate(ranks.run(world, _compare, name, timeout=240)):
@@ -145,6 +146,7 @@ def test_hand_written_attention_becomes_the_ring(ranks, world: int, name: str) -
         assert r["fallbacks"] == [], (rank, r)
 
 
+@pytest.mark.slow
 def test_causal_triu_mask_becomes_the_causal_flag() -> None:
     """The triu-built mask is no tensor at all: the ring op gets causal=True and no attn_mask,
     and the S x S mask construction and scores are gone from the rewritten graph."""

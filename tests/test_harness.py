@@ -46,6 +46,7 @@ def _grad_tensor():
     return (x * 2, [x.sum()])  # non-leaf tensors requiring grad come back detached
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_all_reduce_sums_over_ranks(ranks, world_size):
     out = ranks.run(world_size, _all_reduce_rank_plus_one, (2, 3))
@@ -72,6 +73,7 @@ def test_returned_tensors_are_detached_cpu_copies(ranks):
     torch.testing.assert_close(b, torch.tensor(3.0))
 
 
+@pytest.mark.slow
 def test_exception_names_rank_and_pool_recovers(ranks):
     with pytest.raises(AssertionError) as info:
         ranks.run(2, _fail_on, 1)
@@ -82,6 +84,7 @@ def test_exception_names_rank_and_pool_recovers(ranks):
     assert ranks.run(2, _rank) == [0, 1]
 
 
+@pytest.mark.slow
 def test_hang_times_out_and_pool_recovers(ranks):
     """A hang is reported as RankTimeout once this call's own timeout has passed, naming
     the rank that hung, and the next call gets a fresh pool. The message says which
@@ -101,6 +104,7 @@ def _exit_on(bad_rank):
     return dist.get_rank()
 
 
+@pytest.mark.slow
 def test_dead_worker_is_reported_and_pool_recovers(ranks):
     with pytest.raises(RankError, match=r"rank 1 -----\nworker process died \(exit code 3\)"):
         ranks.run(2, _exit_on, 1, timeout=30)

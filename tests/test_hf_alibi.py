@@ -50,6 +50,7 @@ def _compare(family: str) -> dict:
             "masks": [m for r in backend.records for m in r.masks], "warnings": warnings}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,family", [(2, "mpt"), (4, "mpt"), (2, "bloom"), (4, "bloom")])
 def test_alibi_families_are_exact_ring_attention(ranks, world: int, family: str) -> None:
     for rank, r in enumerate(ranks.run(world, _compare, family, timeout=600)):

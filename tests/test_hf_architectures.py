@@ -34,7 +34,7 @@ FAST = {  # the fast tier's smoke: one family of each kind of outcome but gather
     "fnet": "no CP, warned",  # no attention at all (Fourier mixing): nothing to split, said with a WARNING
     "doge": "refused",  # a learned attention bias (the SDPA mask requires grad) is refused, naming the fix
 }
-# Over ~10 s a group on 2 busy cores: the slow tier (tests/conftest.py SLOW).
+# Over ~10 s a group on 2 busy cores: the slow tier (@pytest.mark.slow on test_slow_architecture_has_its_outcome).
 SLOW = {
     "decoders": {
         "falcon": "ring",  # multi-query attention (1 KV head), parallel attention/MLP
@@ -92,6 +92,7 @@ def test_architecture_has_its_outcome(ranks) -> None:
     _check(ranks, FAST)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", list(SLOW))
 def test_slow_architecture_has_its_outcome(ranks, group: str) -> None:
     _check(ranks, SLOW[group])
@@ -105,6 +106,7 @@ def test_no_family_here_is_run_by_the_other_hf_tests() -> None:
 
 
 # -- the rules, in one process ------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_row_per_model_type_preferring_causal_then_masked_lm() -> None:
     from transformers.models.auto import modeling_auto as m
 
@@ -187,7 +189,8 @@ def test_classify(result: dict, outcome: str) -> None:
 
 def test_no_cp_names_the_warning_that_said_so() -> None:
     gather = "cp_compile: cumsum at m.py:3; gathering the full sequence"
-    result = _ran(ring_ops=0, gathers=["cp_compile: cumsum at m.py:3"], warnings=["cp_compile: other", gather, _UNSPLIT])
+    result = _ran(ring_ops=0, gathers=["cp_compile: cumsum at m.py:3"],
+                  warnings=["cp_compile: other", gather, _UNSPLIT])
     assert arch.classify(result) == ("no CP, warned", _UNSPLIT) and arch.no_cp_warning(result) == _UNSPLIT
 
 

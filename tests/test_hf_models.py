@@ -95,11 +95,13 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", CASES, ids=[c[0] for c in CASES])
 def test_hf_causal_lm_is_exact_on_two_ranks(ranks, family: str, overrides: dict) -> None:
     _check(ranks.run(2, _compare, family, 64, overrides, {}, timeout=240))
 
 
+@pytest.mark.slow
 def test_hf_gpt2_dynamic_lengths(ranks) -> None:
     """dynamic=True: the symbolic graph serves S = 64 and 50 (padded); ``view(torch.Size([...]))``
     in GPT-2's Conv1D carries the symbolic sizes."""
@@ -108,6 +110,7 @@ def test_hf_gpt2_dynamic_lengths(ranks) -> None:
     assert all(r["graphs"] <= 2 for r in results), results  # as for the example models (test_backend)
 
 
+@pytest.mark.slow
 def test_hf_sliding_window_shorter_than_the_sequence(ranks) -> None:
     """Mistral, window 16 of S = 64: the graph-built mask becomes the ring op's window; exact."""
     _check(ranks.run(2, _compare, "mistral", 64, {"sliding_window": 16, "use_cache": False}, {}, timeout=240))
@@ -139,6 +142,7 @@ def _seeded(cls, cfg) -> torch.nn.Module:
     return cls(cfg).float().train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_hf_gpt2_with_labels_across_a_graph_break(ranks, world: int) -> None:
     for rank, r in enumerate(ranks.run(world, _gpt2_as_users_call_it, 128, timeout=300)):
@@ -147,6 +151,7 @@ def test_hf_gpt2_with_labels_across_a_graph_break(ranks, world: int) -> None:
         assert not r["rings"], (rank, r["rings"])  # both layers' attention became the ring
 
 
+@pytest.mark.slow
 def test_hf_llama_on_four_ranks_with_padding(ranks) -> None:
     """S = 60 does not divide by 2N = 8: the graph pads the sequence, and stays exact."""
     _check(ranks.run(4, _compare, "llama", 60, {}, {}, timeout=300))

@@ -45,6 +45,7 @@ def one_process() -> dict:
     return _run([sys.executable, SCRIPT, "--single"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_trainer_losses_equal_one_process(one_process: dict, world: int) -> None:
     got = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),

@@ -13,6 +13,7 @@ import torch
 
 from cp_compile.kernels import get_kernel
 from cp_compile.ring.merge import empty_partial, merge_
+from checks import rel
 
 
 def _inputs(b, h, h_kv, lq, lk, d, dtype, seed=0, mag=1.0):
@@ -38,10 +39,6 @@ def _math_fp64(q, k, v, do, causal, scale):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
-
-
 CASES = [
     # (b, h, h_kv, lq, lk, d, causal)
     (1, 4, 4, 16, 16, 24, True),
@@ -62,12 +59,12 @@ def test_block_kernel_fp32_matches_fp64_math(name, case):
     ref_out, ref_lse, dq_r, dk_r, dv_r = _math_fp64(q, k, v, do, causal, scale)
     assert out.shape == q.shape and lse.shape == q.shape[:-1]
     assert lse.dtype == torch.float32
-    assert _rel(out, ref_out) < 1e-5 and _rel(lse, ref_lse) < 1e-5
+    assert rel(out, ref_out) < 1e-5 and rel(lse, ref_lse) < 1e-5
     # Backward with the (here: only) block's own out/lse = the global ones.
     dq, dk, dv = kern.backward(do, q, k, v, out.to(q.dtype), lse, causal=causal, scale=scale)
     assert dk.shape == k.shape and dv.shape == v.shape
     for got, want in ((dq, dq_r), (dk, dk_r), (dv, dv_r)):
-        assert _rel(got, want) < 1e-5
+        assert rel(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["aten", "reference"])
@@ -79,7 +76,7 @@ def test_block_kernel_large_logits_do_not_overflow(name):
     ref_out, ref_lse, *_ = _math_fp64(q, k, v, do, True, scale)
     assert ref_lse.abs().max() > 300  # the case really is extreme
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert _rel(out, ref_out) < 1e-4 and _rel(lse, ref_lse) < 1e-5
+    assert rel(out, ref_out) < 1e-4 and rel(lse, ref_lse) < 1e-5
 
 
 def test_merge_of_split_keys_equals_full_attention():
@@ -91,9 +88,9 @@ def test_merge_of_split_keys_equals_full_attention():
         acc_out, acc_lse = empty_partial(q)
         blocks = list(zip(cuts[:-1], cuts[1:]))
         for lo, hi in reversed(blocks):  # arrival order does not matter
-            o, l = kern.forward(q, k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=0.3)
-            merge_(acc_out, acc_lse, o, l)
-        assert _rel(acc_out, full_out) < 1e-6 and _rel(acc_lse, full_lse) < 1e-6
+            o, lse = kern.forward(q, k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=0.3)
+            merge_(acc_out, acc_lse, o, lse)
+        assert rel(acc_out, full_out) < 1e-6 and rel(acc_lse, full_lse) < 1e-6
 
 
 def test_merge_rows_without_keys_stay_zero_not_nan():

@@ -63,6 +63,7 @@ def assert_names_multiple(message: str, m: int) -> None:
 # ====================================================================== pure
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None)
 @given(layouts())
 def test_rank_positions_partition_the_sequence(cfg):

@@ -154,6 +154,7 @@ CASES = [("causal_lm", 2, 2), ("causal_lm", 4, 2), ("padded_seq_first", 2, 1), (
          ("weights_unused", 2, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,attentions", CASES)
 def test_mha_becomes_ring_attention(ranks, name: str, world: int, attentions: int) -> None:
     for rank, r in enumerate(ranks.run(world, _run, name, False, True, timeout=240)):
@@ -274,6 +275,7 @@ EVAL_CASES = [("post-relu-causal", 2, (True, False)), ("pre-gelu-causal", 2, (Tr
               ("pre-relu-both", 2, (True, True)), ("pre-gelu-none", 4, (False, False))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,ring", EVAL_CASES, ids=[f"{c[0]}-{c[1]}" for c in EVAL_CASES])
 def test_eval_fast_path_becomes_ring_attention(ranks, name: str, world: int, ring: tuple) -> None:
     for rank, r in enumerate(ranks.run(world, _run_eval, name, timeout=240)):

@@ -130,6 +130,7 @@ def _no_process_group():
     assert not (dist.is_available() and dist.is_initialized()), "the pytest process must not init a group"
 
 
+@pytest.mark.slow
 def test_backend_group_without_process_group():
     torch._dynamo.reset()
     model, inputs = models.llama_factory(seq_len=16)
@@ -183,6 +184,7 @@ def test_mode_goes_to_the_inner_inductor():
         backend_mod._with_mode(fake_inductor, "inductor", "fastest")
 
 
+@pytest.mark.slow
 def test_mode_and_options_with_a_ringcp_object(caplog):
     """torch.compile passes mode=/options= to a backend object: RingCP takes both."""
     torch._dynamo.reset()

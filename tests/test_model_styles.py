@@ -41,6 +41,7 @@ def _compare(factory: str, kw: dict) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("factory,kw", STYLES)
 def test_style_is_exact_ring_only_and_gather_free(ranks, factory, kw, world):

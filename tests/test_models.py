@@ -31,6 +31,7 @@ def _loss_and_grads(model: torch.nn.Module, inputs: tuple, fn=None) -> tuple:
     return loss.detach(), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2", "encoder"])
 def test_forward_backward(name: str) -> None:
     model, inputs = FACTORIES[name](seq_len=32)
@@ -56,6 +57,7 @@ def test_factories_are_deterministic() -> None:
     assert torch.equal(labels[:, :-1][keep], ids[:, 1:][keep])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True])
 def test_llama_variants_agree(tie: bool) -> None:
     """gqa_mode and rope_style change only how the same math is written."""
@@ -113,6 +115,7 @@ def test_encoder_is_bidirectional() -> None:
     assert (after[:, :20] - before[:, :20]).abs().amax(dim=-1).min() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,overrides",
     [

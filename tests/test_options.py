@@ -21,7 +21,7 @@ import torch.distributed as dist
 import models
 
 import cp_compile
-from checks import AttentionCount, explain_record, grad_errors, rel, ring_mismatches
+from checks import AttentionCount, explain_record, loss_and_grad_errors, ring_mismatches
 from cp_compile.backend import INNER, BackendOptions
 from cp_compile.options import KERNELS, LOAD_BALANCES, ROTATES, literal_choices
 
@@ -54,7 +54,8 @@ VALUES = {
     ("grad_sync", "none"): None,
     ("strict", "False"): None,
     ("strict", "True"): None,
-    ("inner", "inductor"): "test_schedule.py::test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits",
+    ("inner", "inductor"):
+        "test_schedule.py::test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits",
     ("inner", "aot_eager"): None,
     ("inner", "eager"): None,
     ("timeout", "None"): None,
@@ -105,8 +106,7 @@ def _run_with(option: str, label: str):
     if option == "grad_sync" and label == "none":  # each rank holds its share: DDP/FSDP would sum them
         for p in cp_model.parameters():
             dist.all_reduce(p.grad)
-    return (rel(out.detach(), ref.detach()), max(grad_errors(cp_model, ref_model).values()),
-            ring_mismatches(backend, count.calls))
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), ring_mismatches(backend, count.calls))
 
 
 def _explain(model, ids, labels, options: dict):
@@ -120,6 +120,7 @@ def _explain(model, ids, labels, options: dict):
 HERE = [key for key, elsewhere in VALUES.items() if elsewhere is None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option,label", HERE, ids=[f"{o}={v}" for o, v in HERE])
 def test_option_value_compiles_runs_and_is_exact(ranks, option, label):
     for rank, (loss_err, grad_err, rings) in enumerate(ranks.run(2, _run_with, option, label, timeout=240)):
@@ -147,10 +148,10 @@ def _decorated_step(label: str):
 
     out = step(cp_model, ids, labels)
     assert [r for r in step.backend.records if r.attention] == [explained], (step.backend.records, explained)
-    return (rel(out.detach(), ref.detach()), max(grad_errors(cp_model, ref_model).values()),
-            ring_mismatches(step.backend, count.calls))
+    return (*loss_and_grad_errors(ref_model, ref, cp_model, out), ring_mismatches(step.backend, count.calls))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["ProcessGroup WORLD", "ProcessGroup new_group", "DeviceMesh 1-D"])
 def test_decorator_takes_every_mesh_form(ranks, label):
     for rank, (loss_err, grad_err, rings) in enumerate(ranks.run(2, _decorated_step, label, timeout=240)):

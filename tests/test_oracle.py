@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import AttentionCount, explain_record, grad_errors, loss_through_ring_cp, rel, ring_mismatches
+from checks import AttentionCount, explain_record, grad_errors, loss_through_ring_cp, rel, ring_mismatches, twin_models
 from cp_compile.tools.explain import explain_model
 from cp_compile.passes.propagate import oracle
 from cp_compile.passes.propagate.rules.table import RULES
@@ -151,10 +151,7 @@ class _Mix(nn.Module):
 
 
 def _mix_exact() -> dict:
-    torch.manual_seed(0)
-    ref_model = _Mix()
-    cp_model = _Mix()
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(_Mix)
     x = torch.randn(2, S, D, generator=torch.Generator().manual_seed(1))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,))
     return {"loss": rel(out.detach(), ref.detach()), "grad": max(grad_errors(cp_model, ref_model).values()),
@@ -185,9 +182,7 @@ def _dyn_exact(seq_len: int) -> dict:
     import cp_compile
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref_model, cp_model = _Dyn(), _Dyn()
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(_Dyn)
     x = torch.randn(2, seq_len, D, generator=torch.Generator().manual_seed(1))
     explained = explain_record(ref_model, (x,), world_size=torch.distributed.get_world_size(), dynamic=True)
     with AttentionCount() as count:

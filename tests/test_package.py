@@ -5,7 +5,10 @@
 * no function of the package is over 60 lines of code (its docstring aside); size and
   complexity otherwise are ruff's (``./dev lint``: McCabe complexity, branches, statements);
 * no citation of a design document outside the repository (the design is docs/design.md);
-* the test-tier tables in conftest.py name tests that exist.
+* no test module imports another test module: what two test files share lives in tests/checks.py
+  (or tests/distributed.py, tests/compose_kit.py);
+* every test-tier marker is declared in pyproject.toml (``--strict-markers`` makes an undeclared
+  one an error) and used: the tiers are marks on the tests themselves.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ import re
 from typing import Dict, Iterator, Set
 
 import networkx as nx
-
-import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_FUNCTION_LINES = 60
@@ -88,9 +89,20 @@ def test_no_citation_points_outside_the_repository() -> None:
     assert not found, f"cite docs/design.md instead: {found}"
 
 
-def test_tier_tables_name_existing_tests() -> None:
-    for table in (conftest.SLOW, conftest.INDUCTOR):
-        for module, names in table.items():
-            source = open(os.path.join(REPO, "tests", module)).read()
-            missing = [n for n in names if f"def {n}(" not in source and f"\n{n} = " not in source]
-            assert not missing, (module, missing)
+def test_no_test_module_imports_another() -> None:
+    found = []
+    for path in _python_files("tests"):
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{os.path.basename(path)}:{node.lineno} imports {n}" for n in names if n.startswith("test_")]
+    assert not found, f"move what the tests share into tests/checks.py: {found}"
+
+
+def test_every_tier_marker_is_declared_strict_and_used() -> None:
+    config = open(os.path.join(REPO, "pyproject.toml")).read()
+    assert re.search(r'^addopts = ".*--strict-markers', config, re.M), "add --strict-markers to addopts"
+    declared = set(re.findall(r'^    "(\w+): ', config.split("markers = [", 1)[1].split("]", 1)[0], re.M))
+    assert declared == {"multirank", "slow", "inductor"}, declared
+    used = {m for path in _python_files("tests") for m in re.findall(r"pytest\.mark\.(\w+)", open(path).read())}
+    assert declared <= used, f"declared but never marked: {declared - used}"

@@ -85,6 +85,7 @@ def _hf_case(padded: bool) -> dict:
     return _compare(PackedLlama(), PackedLlama(), inputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_hf_llama_packed_position_ids_give_the_ring_document_ids(ranks, world: int) -> None:
     results = ranks.run(world, _hf_case, False, timeout=300)
@@ -92,6 +93,7 @@ def test_hf_llama_packed_position_ids_give_the_ring_document_ids(ranks, world: i
     assert results[0]["masks"][0] == "causal + documents; per rank: doc_ids (2, 96) int64 1.5 KiB", results[0]
 
 
+@pytest.mark.slow
 def test_hf_llama_packed_with_padding(ranks) -> None:
     """attention_mask given: HF applies no document mask (only RoPE sees the restarting positions)."""
     _check(ranks.run(2, _hf_case, True, timeout=300), docs=False, attn_mask=(2, 1, 1, S))
@@ -112,6 +114,7 @@ def _hand_case(form: str, padded: bool, seq: int = S) -> dict:
     return _compare(DocAttention(form), DocAttention(form), inputs, seq)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,form,padded,seq", [(2, "index", False, S), (4, "index", True, S),
                                                    (2, "unsqueeze", True, S), (4, "cu_seqlens", False, S),
                                                    (2, "eos", False, S), (4, "index", True, 90),
@@ -161,6 +164,7 @@ def test_document_ids_from_activations_are_refused() -> None:
         explain_model(DocAttention("activations"), (torch.randn(2, S, 16), _doc_ids(LENGTHS)), world_size=2)
 
 
+@pytest.mark.slow
 def test_hf_mistral_packed_sliding_window_keeps_its_window() -> None:
     """HF's remapped ``position_ids[b, kv] > position_ids[b, q] - W`` inside documents: the ring's window."""
     from cp_compile.tools.explain import explain_model

@@ -11,8 +11,8 @@ accelerate's regional compilation compiles one by one, and 4 ranks run below).
 
 ``cp_compile.recipes.compile_blocks`` keeps the sequence sharded *between* blocks (first block
 inputs="full"/outputs="local", middle local/local, last local/full): on 3-block stacks of the
-example Llama (2 and 4 ranks) and the Hugging Face Llama (2 ranks), the same exactness, ring and fallback checks, and only the last block's graph
-gathers (one gather_seq, no all-gather anywhere else).
+example Llama (2 and 4 ranks) and the Hugging Face Llama (2 ranks), the same exactness, ring and fallback
+checks, and only the last block's graph gathers (one gather_seq, no all-gather anywhere else).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def _per_block(kind: str) -> dict:
             "no_attention": len(backend.no_attention)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, world", [("llama", 2)])  # compile_blocks below covers both models and 4 ranks
 def test_blocks_compiled_one_by_one_are_exact_ring_only_and_gather_only_their_output(ranks, world: int,
                                                                                    kind: str) -> None:
@@ -113,6 +114,7 @@ def _chained(kind: str) -> dict:
             "no_attention": sum(len(b.no_attention) for b in unique)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, world", [("llama", 2), ("hf_llama", 2), ("llama", 4)])
 def test_compile_blocks_keeps_the_sequence_sharded_between_blocks(ranks, world: int, kind: str) -> None:
     for rank, r in enumerate(ranks.run(world, _chained, kind, timeout=300)):

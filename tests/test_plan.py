@@ -86,7 +86,8 @@ def check_step(n: int, rank: int, step: int, lb: str, c: int, causal: bool) -> N
     assert int(count.max()) <= 1, f"pair covered twice {ctx}\n{count}"
     allowed = allowed_mask(seq_len, n, rank, src, lb, causal)
     covered = count > 0
-    assert torch.equal(covered, allowed), f"coverage != allowed mask {ctx}\ncovered=\n{covered.int()}\nallowed=\n{allowed.int()}"
+    assert torch.equal(covered, allowed), (
+        f"coverage != allowed mask {ctx}\ncovered=\n{covered.int()}\nallowed=\n{allowed.int()}")
     # segment_pairs agrees with the mask it claims to compute
     assert sum(segment_pairs(s, c) for s in segments) == int(allowed.sum()), ctx
 
@@ -94,6 +95,7 @@ def check_step(n: int, rank: int, step: int, lb: str, c: int, causal: bool) -> N
 # ---------------------------------------------------------------- exact coverage
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(configs())
 def test_segments_cover_exactly_the_allowed_mask(cfg):
@@ -103,6 +105,7 @@ def test_segments_cover_exactly_the_allowed_mask(cfg):
             check_step(n, rank, step, lb, c, causal)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lb", LOAD_BALANCES)
 def test_segments_cover_allowed_mask_exhaustive(lb):
     """The whole (small) space, so no corner is left to luck: N 1..8, c per layout, both causal."""

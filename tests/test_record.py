@@ -38,6 +38,7 @@ class _MixesEarly(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
 
+@pytest.mark.slow
 def test_fully_sharded_model_records_a_high_fraction() -> None:
     model, inputs = models.llama_factory()
     for world in (2, 4):
@@ -60,7 +61,8 @@ def test_a_mostly_whole_graph_warns_and_explain_says_so(caplog) -> None:
         report = explain_model(_MixesEarly("rotate"), (torch.randint(0, 32, (2, 16)),), world_size=2)
     rec = report.ctx.record
     assert rec.rings == 1 and len(rec.fallbacks) == 2 and rec.sharded_fraction < 0.5, rec
-    assert any("of its activation bytes sharded" in r.getMessage() and "test_record.py:" in r.getMessage() for r in caplog.records)
+    assert any("of its activation bytes sharded" in r.getMessage() and "test_record.py:" in r.getMessage()
+               for r in caplog.records)
     assert f"record: {rec.summary()}" in format_explain(report)
 
 

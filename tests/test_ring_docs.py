@@ -19,54 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import cp_compile
 from cp_compile.ring.masking import additive_mask
 from cp_compile.sequence import rank_positions
-from test_ring_exact import assemble, relerr
-from test_ring_masks import refusals
+from checks import assemble, attention_inputs, dead_rows, dense_mask, doc_ids, masked_sdpa_reference, refusals, rel
 
 FP32 = 1e-5
-
-
-def _inputs(b, h, hkv, s, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64) for shape in
-            ((b, h, s, d), (b, hkv, s, d), (b, hkv, s, d), (b, h, s, d))]
-
-
-def _ids(lengths_per_row, s):
-    """(B, S) int64 document ids from per-row document lengths (each row's lengths sum to S)."""
-    rows = [cp_compile.doc_ids_from_cu_seqlens(torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()]), s)
-            for ls in lengths_per_row]
-    return torch.cat(rows).long()
-
-
-def dense_mask(ids, s, causal, valid_len=-1, keep=None):
-    """(B|1, 1, S, S) bool: same document (& causal) (& key < valid_len) (& key kept)."""
-    m = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1)
-    if causal:
-        m = m & torch.ones(s, s, dtype=torch.bool).tril()
-    if valid_len >= 0:
-        m = m & (torch.arange(s) < valid_len)
-    if keep is not None:
-        m = m & keep
-    return m
-
-
-def _dead(mask, real_rows):
-    """(B|1, 1, S, 1) bool: rows with no visible key, or padding rows (no gradient, compared as 0)."""
-    return ~mask.any(-1, keepdim=True) | ~real_rows[:, None, :, None]
-
-
-def _reference(q, k, v, dout, mask, real_rows):
-    """fp64 SDPA with ``mask``: (out, dq, dk, dv), dead rows' dout zeroed and their out 0; and the dead rows."""
-    dead = _dead(mask, real_rows)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | dead, enable_gqa=q.shape[1] != k.shape[1])
-    out.backward(dout.masked_fill(dead, 0.0))
-    return (out.detach().masked_fill(dead, 0.0), q.grad, k.grad, v.grad), dead
 
 
 def _cases(world):
@@ -104,9 +63,9 @@ def _rank_docs(cases, s):
     res = []
     group = dist.group.WORLD.group_name
     for i, c in enumerate(cases):
-        q, k, v, dout = _inputs(2, 4, c["hkv"], s, 16, 200 + i)
-        ids = _ids(c["lens"], s)
-        dout = dout.masked_fill(_dead(*_case_mask(c, ids, s)), 0.0)  # padding / dead rows carry no gradient
+        q, k, v, dout = attention_inputs(2, 4, c["hkv"], s, s, 16, seed=200 + i)
+        ids = doc_ids(c["lens"], s)
+        dout = dout.masked_fill(dead_rows(*_case_mask(c, ids, s)), 0.0)  # padding / dead rows carry no gradient
         ql, kl, vl, dl = (cp_compile.shard(t, 2, load_balance=c["lb"]).float().contiguous() for t in (q, k, v, dout))
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
         keep = additive_mask(_keep(s)) if c.get("keep") else None
@@ -118,20 +77,21 @@ def _rank_docs(cases, s):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_documents_match_sdpa(ranks, world):
     s, cases = 16 * world, _cases(world)
     per_rank = ranks.run(world, _rank_docs, cases, s, timeout=300)
     failures = []
     for i, c in enumerate(cases):
-        q, k, v, dout = _inputs(2, 4, c["hkv"], s, 16, 200 + i)
-        ref, dead = _reference(q, k, v, dout, *_case_mask(c, _ids(c["lens"], s), s))
+        q, k, v, dout = attention_inputs(2, 4, c["hkv"], s, s, 16, seed=200 + i)
+        ref, dead = masked_sdpa_reference(q, k, v, dout, *_case_mask(c, doc_ids(c["lens"], s), s))
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             got = assemble([res[i][j] for res in per_rank], s, c["lb"])
             if j == 0:
                 got = got.masked_fill(dead, 0.0)  # padding rows: whatever the ring computes there is unused
-            if not (torch.isfinite(got).all() and relerr(got, ref[j]) <= FP32):
-                failures.append(f"N={world} case {i} {c['lb']} causal={c['causal']} {name}: {relerr(got, ref[j]):.3g}")
+            if not (torch.isfinite(got).all() and rel(got, ref[j]) <= FP32):
+                failures.append(f"N={world} case {i} {c['lb']} causal={c['causal']} {name}: {rel(got, ref[j]):.3g}")
     assert not failures, "\n".join(failures)
 
 
@@ -151,8 +111,9 @@ def _count_calls(lb, lens, s):
 
     type(kern).forward = counting
     try:
-        q, k, v, _ = (cp_compile.shard(t, 2, load_balance=lb).float() for t in _inputs(2, 2, 2, s, 16, 1))
-        cp_compile.ring_attention(q, k, v, causal=True, doc_ids=_ids(lens, s), kernel="aten", load_balance=lb)
+        full = attention_inputs(2, 2, 2, s, s, 16, seed=1)
+        q, k, v, _ = (cp_compile.shard(t, 2, load_balance=lb).float() for t in full)
+        cp_compile.ring_attention(q, k, v, causal=True, doc_ids=doc_ids(lens, s), kernel="aten", load_balance=lb)
     finally:
         type(kern).forward = orig
     return calls
@@ -188,7 +149,7 @@ def test_pairs_across_documents_are_never_computed(ranks, lb):
     world, s = 4, 64
     lens = [[3, 40, 5, 16], [53, 11]]
     per_rank = ranks.run(world, _count_calls, lb, lens, s, timeout=300)
-    ids = _ids(lens, s)
+    ids = doc_ids(lens, s)
     for r, calls in enumerate(per_rank):
         assert calls and not any(masked for *_, masked in calls), "the document path built a mask tensor"
         computed = sum(b * (lq * (lq + 1) // 2 if causal else lq * lk) for b, lq, lk, causal, _ in calls)
@@ -219,24 +180,24 @@ def test_doc_id_helpers():
 def test_one_process_is_exact():
     """No process group: the ring op still runs (not plain SDPA) and applies the documents."""
     s = 24
-    q, k, v, dout = _inputs(2, 4, 2, s, 16, 5)
-    ids = _ids([[5, 12, 7], [20, 4]], s)
+    q, k, v, dout = attention_inputs(2, 4, 2, s, s, 16, seed=5)
+    ids = doc_ids([[5, 12, 7], [20, 4]], s)
     ql, kl, vl = (t.float().requires_grad_() for t in (q, k, v))
     out = cp_compile.ring_attention(ql, kl, vl, causal=True, doc_ids=ids)
     out.backward(dout.float())
-    ref, _ = _reference(q, k, v, dout, dense_mask(ids, s, True), torch.ones(2, s, dtype=torch.bool))
+    ref, _ = masked_sdpa_reference(q, k, v, dout, dense_mask(ids, s, True), torch.ones(2, s, dtype=torch.bool))
     for got, want in zip((out, ql.grad, kl.grad, vl.grad), ref):
-        assert relerr(got, want) <= FP32
+        assert rel(got, want) <= FP32
 
 
 def _rank_misuse():
     s = 16
     q = k = v = cp_compile.shard(torch.randn(2, 2, s, 8), 2)
-    ids = _ids([[5, 11]], s)
+    ids = doc_ids([[5, 11]], s)
     # the last call: rank 0 broadcasts one row of ids, rank 1 passes one per batch row: every rank must refuse
     bad = ids if dist.get_rank() == 0 else ids.expand(2, s)
     return refusals(q, k, v, [dict(causal=True, doc_ids=d) for d in (
-        ids.float(), cp_compile.shard(ids, 1), _ids([[5, 11]] * 3, s),
+        ids.float(), cp_compile.shard(ids, 1), doc_ids([[5, 11]] * 3, s),
         torch.zeros(1, s, dtype=torch.int64, device="meta"), bad)])
 
 

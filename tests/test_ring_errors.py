@@ -224,7 +224,8 @@ def test_errors_on_two_ranks(ranks):
             assert typ == "ValueError", (r, key, res[key])
             s = 6 if key == "zigzag_s3" else 2
             assert f"sequence length {s} cannot be split by the 'zigzag' layout over 2 ranks" in msg, msg
-            assert re.search(r"positive multiple of 4\b", msg) and "Fix: pad the sequence to a multiple of 4" in msg, msg
+            assert re.search(r"positive multiple of 4\b", msg), msg
+            assert "Fix: pad the sequence to a multiple of 4" in msg, msg
         assert res["unknown_kernel"] is not None, f"rank {r}: unknown kernel did not raise"
         assert res["unknown_kernel"][0] == "ValueError" and "unknown kernel 'flash9'" in res["unknown_kernel"][1]
         assert res["group_object"] == (

@@ -31,14 +31,12 @@ import torch
 import torch.nn.functional as F
 
 import cp_compile
-from cp_compile.sequence import rank_positions
+from checks import QUANTITIES, ROTATES, assemble, make_inputs, rel, ring_fwd_bwd, sdpa_reference
 
 LOAD_BALANCES = ("zigzag", "striped", "contiguous")
-ROTATES = ("p2p", "allgather")
 HEADS = ((4, 4), (4, 2), (4, 1))  # (H, H_kv): MHA, GQA, MQA
 HEAD_DIMS = (24, 64, 80)
 SEQ_LENS = (32, 48, 64, 40, 96, 128)  # all multiples of 8 = 2N for N = 4
-QUANTITIES = ("out", "dq", "dk", "dv")
 WORLD_SIZES = (1, 2, 4)
 DTYPES = ("float32", "bfloat16")
 
@@ -48,17 +46,6 @@ BF16_SANITY = 2e-2
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def make_inputs(cfg: dict):
-    """Full-sequence (q, k, v, dout) in float64 from ``cfg["seed"]`` (same on every process)."""
-    g = torch.Generator().manual_seed(cfg["seed"])
-    b, h, hkv, s, d = cfg["b"], cfg["h"], cfg["hkv"], cfg["s"], cfg["d"]
-    q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
-    return q, k, v, dout
 
 
 def matrix(world_size: int, dtype_name: str) -> list[dict]:
@@ -97,27 +84,7 @@ def matrix(world_size: int, dtype_name: str) -> list[dict]:
     return cfgs
 
 
-def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 # --------------------------------------------------------------------------- rank side
-
-
-def _ring_fwd_bwd(q, k, v, dout, cfg, rotate, dtype, *, scale=None, group=None):
-    """Shard the full fp64 tensors, run the ring forward + backward; local (out, dq, dk, dv)."""
-    lb = cfg["lb"]
-    ql, kl, vl, dol = (
-        cp_compile.shard(t, 2, group=group, load_balance=lb).to(dtype) for t in (q, k, v, dout)
-    )
-    ql, kl, vl = (t.detach().requires_grad_() for t in (ql, kl, vl))
-    out = cp_compile.ring_attention(
-        ql, kl, vl, causal=cfg["causal"], scale=scale, group=group, load_balance=lb,
-        rotate=rotate, kernel=cfg["kernel"],
-    )
-    out.backward(dol)
-    return out.detach(), ql.grad, kl.grad, vl.grad
 
 
 def _matrix_rank_fn(cfgs: list[dict], dtype_name: str) -> list[dict]:
@@ -127,8 +94,8 @@ def _matrix_rank_fn(cfgs: list[dict], dtype_name: str) -> list[dict]:
         q, k, v, dout = make_inputs(cfg)
         res = {}
         for rot in ROTATES:
-            res[rot] = _ring_fwd_bwd(q, k, v, dout, cfg, rot, dtype)
-            res[rot + "_again"] = _ring_fwd_bwd(q, k, v, dout, cfg, rot, dtype)
+            res[rot] = ring_fwd_bwd(q, k, v, dout, cfg, rot, dtype)
+            res[rot + "_again"] = ring_fwd_bwd(q, k, v, dout, cfg, rot, dtype)
         results.append(res)
     return results
 
@@ -150,36 +117,6 @@ def matrix_results(ranks, world_size: int, dtype_name: str):
     if isinstance(_CACHE[key], Exception):
         raise _CACHE[key]
     return _CACHE[key]
-
-
-def assemble(shards: list[torch.Tensor], seq_len: int, lb: str) -> torch.Tensor:
-    """Full (B, H, S, D) float64 tensor from every rank's (B, H, S/N, D) shard."""
-    n = len(shards)
-    b, h, _, d = shards[0].shape
-    full = torch.full((b, h, seq_len, d), float("nan"), dtype=torch.float64)
-    for r, x in enumerate(shards):
-        full[:, :, rank_positions(seq_len, n, r, lb)] = x.double()
-    assert not full.isnan().any(), "the shards do not cover every position"
-    return full
-
-
-def sdpa_fwd_bwd(q, k, v, dout, causal: bool, dtype: torch.dtype, scale=None):
-    """Single-process SDPA on the full sequence in ``dtype``: (out, dq, dk, dv)."""
-    q, k, v = (t.to(dtype).detach().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    out.backward(dout.to(dtype))
-    return out.detach(), q.grad, k.grad, v.grad
-
-
-def reference(cfg: dict, dtype: torch.dtype):
-    """(fp64 reference, single-process SDPA in ``dtype``), both on the inputs rounded to ``dtype``."""
-    q, k, v, dout = (t.to(dtype).double() for t in make_inputs(cfg))
-    return (
-        sdpa_fwd_bwd(q, k, v, dout, cfg["causal"], torch.float64),
-        sdpa_fwd_bwd(q, k, v, dout, cfg["causal"], dtype),
-    )
 
 
 def describe(cfg: dict, world_size: int, rotate: str | None = None) -> str:
@@ -218,8 +155,8 @@ def test_ring_matches_full_sequence_sdpa(ranks, world_size, dtype_name):
     dtype = getattr(torch, dtype_name)
     failures, report = [], []
     for i, cfg in enumerate(cfgs):
-        ref64, ref_single = reference(cfg, dtype)
-        single_err = [relerr(a, b) for a, b in zip(ref_single, ref64)]
+        ref64, ref_single = sdpa_reference(cfg, dtype)
+        single_err = [rel(a, b) for a, b in zip(ref_single, ref64)]
         c = cfg["s"] // world_size
         for rot in ROTATES:
             local = [res[i][rot] for res in results]
@@ -229,7 +166,7 @@ def test_ring_matches_full_sequence_sdpa(ranks, world_size, dtype_name):
                 assert dk.shape == dv.shape == (cfg["b"], cfg["hkv"], c, cfg["d"]), describe(cfg, world_size, rot)
             full = [assemble([x[j] for x in local], cfg["s"], cfg["lb"]) for j in range(4)]
             for qname, got, want, serr in zip(QUANTITIES, full, ref64, single_err):
-                err = relerr(got, want)
+                err = rel(got, want)
                 if not torch.isfinite(got).all():
                     failures.append(f"{describe(cfg, world_size, rot)}: {qname} has NaN/Inf")
                     continue
@@ -256,7 +193,8 @@ def _rotate_equal(ranks, world_size, dtype_name, quantities):
                 a, b = res[i]["p2p"][j], res[i]["allgather"][j]
                 if not torch.equal(a, b):
                     diff = (a.double() - b.double()).abs().max().item()
-                    bad.append(f"{describe(cfg, world_size)} rank {r}: {qname} p2p != allgather (max |diff| {diff:.3g})")
+                    bad.append(f"{describe(cfg, world_size)} rank {r}: {qname} p2p != allgather "
+                               f"(max |diff| {diff:.3g})")
     assert not bad, "\n".join(bad)
 
 
@@ -310,8 +248,8 @@ def _strided_rank_fn() -> dict:
     assert q.stride(-1) != 1
     out = cp_compile.ring_attention(q, q.transpose(-2, -1).transpose(-2, -1), q, causal=True)
     out.backward(cp_compile.shard(dout, 2))
-    return {"out": relerr(out, cp_compile.shard(ref.detach(), 2)),
-            "dx": relerr(local.grad, cp_compile.shard(ref_x.grad, 2))}
+    return {"out": rel(out, cp_compile.shard(ref.detach(), 2)),
+            "dx": rel(local.grad, cp_compile.shard(ref_x.grad, 2))}
 
 
 def test_head_dim_not_innermost_is_exact(ranks):

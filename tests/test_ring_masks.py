@@ -20,15 +20,9 @@ import torch.nn.functional as F
 
 import cp_compile
 from cp_compile.sequence import rank_positions
-from test_ring_exact import assemble, relerr
+from checks import assemble, attention_inputs, refusals, rel
 
 FP32 = 1e-5
-
-
-def _inputs(b, h, hkv, s, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64) for shape in
-            ((b, h, s, d), (b, hkv, s, d), (b, hkv, s, d), (b, h, s, d))]
 
 
 def _sdpa64(q, k, v, dout, mask):
@@ -61,27 +55,29 @@ def _window_cases(world: int):
     for i, (lb, kernel) in enumerate(product(("zigzag", "striped", "contiguous"), ("aten", "reference", "triton"))):
         if kernel == "reference" and i % 2:
             continue
-        cases.append(dict(lb=lb, kernel=kernel, s=16 * world, window=(3, 8, 13)[i % 3], seed=40 + i, hkv=(4, 2, 1)[i % 3]))
+        cases.append(dict(lb=lb, kernel=kernel, s=16 * world, window=(3, 8, 13)[i % 3], seed=40 + i,
+                          hkv=(4, 2, 1)[i % 3]))
     return cases
 
 
 def _rank_window_cases(cases):
-    return [_rank_ring(*_inputs(1, 4, c["hkv"], c["s"], 16, c["seed"]), c["lb"], c["kernel"],
+    return [_rank_ring(*attention_inputs(1, 4, c["hkv"], c["s"], c["s"], 16, seed=c["seed"]), c["lb"], c["kernel"],
                        dict(causal=True, window=c["window"])) for c in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sliding_window_matches_sdpa(ranks, world):
     cases = _window_cases(world)
     per_rank = ranks.run(world, _rank_window_cases, cases, timeout=300)
     failures = []
     for i, c in enumerate(cases):
-        q, k, v, dout = _inputs(1, 4, c["hkv"], c["s"], 16, c["seed"])
+        q, k, v, dout = attention_inputs(1, 4, c["hkv"], c["s"], c["s"], 16, seed=c["seed"])
         ref = _sdpa64(q, k, v, dout, band(c["s"], c["window"]))
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             got = assemble([res[i][j] for res in per_rank], c["s"], c["lb"])
-            if not relerr(got, ref[j]) <= FP32:
-                failures.append(f"N={world} {c} {name}: {relerr(got, ref[j]):.3g}")
+            if not rel(got, ref[j]) <= FP32:
+                failures.append(f"N={world} {c} {name}: {rel(got, ref[j]):.3g}")
     assert not failures, "\n".join(failures)
 
 
@@ -99,7 +95,7 @@ def _count_steps(kernel: str, s: int, window: int) -> int:
 
     setattr(type(kern), name, counting)
     try:
-        q, k, v, _ = (cp_compile.shard(t, 2).float() for t in _inputs(1, 2, 2, s, 16, 1))
+        q, k, v, _ = (cp_compile.shard(t, 2).float() for t in attention_inputs(1, 2, 2, s, s, 16, seed=1))
         cp_compile.ring_attention(q, k, v, causal=True, window=window, kernel=kernel)
     finally:
         setattr(type(kern), name, orig)
@@ -127,13 +123,14 @@ def _mask_cases():
     hf = torch.zeros(2, 1, s, s).masked_fill(~rand, torch.finfo(torch.float32).min)  # additive, HF style
     return [("random-bool", rand, "zigzag", "aten"), ("key-padding", keypad.expand(2, 1, s, s), "striped", "reference"),
             ("key-padding-one-row", keypad, "zigzag", "aten"),  # (B, 1, 1, S): broadcast over the rows
-            ("additive-finfo-min", hf, "zigzag", "reference"), ("additive-bool-per-head", rand.expand(2, 4, s, s), "contiguous", "aten")]
+            ("additive-finfo-min", hf, "zigzag", "reference"),
+            ("additive-bool-per-head", rand.expand(2, 4, s, s), "contiguous", "aten")]
 
 
 def _rank_mask_cases(cases):
     out = []
     for i, (_, mask, lb, kernel) in enumerate(cases):
-        q, k, v, dout = _inputs(2, 4, 2, 32, 16, 70 + i)
+        q, k, v, dout = attention_inputs(2, 4, 2, 32, 32, 16, seed=70 + i)
         out.append(_rank_ring(q, k, v, dout, lb, kernel, {}, mask_full=mask))
     return out
 
@@ -144,26 +141,13 @@ def test_explicit_mask_matches_sdpa(ranks, world):
     per_rank = ranks.run(world, _rank_mask_cases, cases, timeout=300)
     failures = []
     for i, (name, mask, lb, kernel) in enumerate(cases):
-        q, k, v, dout = _inputs(2, 4, 2, 32, 16, 70 + i)
+        q, k, v, dout = attention_inputs(2, 4, 2, 32, 32, 16, seed=70 + i)
         ref = _sdpa64(q, k, v, dout, mask if mask.dtype == torch.bool else mask.double())
         for j, qn in enumerate(("out", "dq", "dk", "dv")):
             got = assemble([res[i][j] for res in per_rank], 32, lb)
-            if not relerr(got, ref[j]) <= FP32:
-                failures.append(f"N={world} {name} ({lb}, {kernel}) {qn}: {relerr(got, ref[j]):.3g}")
+            if not rel(got, ref[j]) <= FP32:
+                failures.append(f"N={world} {name} ({lb}, {kernel}) {qn}: {rel(got, ref[j]):.3g}")
     assert not failures, "\n".join(failures)
-
-
-def refusals(q, k, v, calls) -> list:
-    """The ValueError message of each ``ring_attention(q, k, v, **kw)`` for kw in ``calls``, in order;
-    None where the call ran."""
-    msgs = []
-    for kw in calls:
-        try:
-            cp_compile.ring_attention(q, k, v, **kw)
-            msgs.append(None)
-        except ValueError as e:
-            msgs.append(str(e))
-    return msgs
 
 
 def _rank_errors():
@@ -197,7 +181,7 @@ def _rank_causal_padding(lb: str, s: int):
     from cp_compile.ring.masking import additive_mask
 
     keep, dead = _causal_padding(s)
-    q, k, v, dout = _inputs(2, 4, 2, s, 16, 90)
+    q, k, v, dout = attention_inputs(2, 4, 2, s, s, 16, seed=90)
     dout = dout.masked_fill(dead[..., None], 0.0)  # dead rows carry no gradient (their output is 0)
     ql, kl, vl, dl = (cp_compile.shard(t, 2, load_balance=lb).float() for t in (q, k, v, dout))
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
@@ -214,7 +198,7 @@ def test_causal_with_key_padding_matches_sdpa(ranks, world, lb):
     key is padding come out 0 (SDPA: NaN), and the rest equal SDPA with the combined mask."""
     s = 8 * world
     keep, dead = _causal_padding(s)
-    q, k, v, dout = _inputs(2, 4, 2, s, 16, 90)
+    q, k, v, dout = attention_inputs(2, 4, 2, s, s, 16, seed=90)
     dout = dout.masked_fill(dead[..., None], 0.0)
     live = torch.tril(torch.ones(s, s, dtype=torch.bool)) & keep
     ref = _sdpa64(q, k, v, dout, live | dead[..., None])  # dead rows: any finite stand-in, dout 0 there
@@ -222,4 +206,4 @@ def test_causal_with_key_padding_matches_sdpa(ranks, world, lb):
     per_rank = ranks.run(world, _rank_causal_padding, lb, s, timeout=120)
     for j, name in enumerate(("out", "dq", "dk", "dv")):
         got = assemble([r[j] for r in per_rank], s, lb)
-        assert torch.isfinite(got).all() and relerr(got, ref[j]) <= FP32, (name, relerr(got, ref[j]))
+        assert torch.isfinite(got).all() and rel(got, ref[j]) <= FP32, (name, rel(got, ref[j]))

@@ -19,49 +19,14 @@ import torch
 import cp_compile
 from cp_compile.ring.mods import lookup, register_mods
 from cp_compile.sequence import rank_positions
-from test_ring_exact import assemble, relerr
+from checks import (CAP, PREFIX, WINDOW, alibi_mod, alibi_slopes, assemble, causal_mod, document_mod, mods_doc_ids,
+                    prefix_lm_mod, rel, softcap_mod, window_mod)
 
 FP32 = 1e-5
 S, D, H = 32, 16, 4
-WINDOW, PREFIX, CAP = 6, 11, 1.5
 
 
 # --------------------------------------------------------------------------- the mods (FlexAttention style)
-
-
-def causal_mod(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def document_mod(b, h, q_idx, kv_idx, doc):
-    return doc[b, q_idx] == doc[b, kv_idx]
-
-
-def window_mod(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
-
-
-def prefix_lm_mod(b, h, q_idx, kv_idx):
-    return (kv_idx < PREFIX) | (q_idx >= kv_idx)
-
-
-def alibi_mod(score, b, h, q_idx, kv_idx, slopes):
-    return score + slopes[h] * (kv_idx - q_idx)
-
-
-def softcap_mod(score, b, h, q_idx, kv_idx):
-    return CAP * torch.tanh(score / CAP)
-
-
-def _doc_ids(s: int) -> torch.Tensor:
-    ids = torch.zeros(2, s, dtype=torch.int64)
-    ids[0, 5:], ids[0, 20:] = 1, 2
-    ids[1, 13:] = 1
-    return ids
-
-
-def _slopes() -> torch.Tensor:
-    return torch.tensor([2.0 ** (-(i + 1)) for i in range(H)])
 
 
 # --------------------------------------------------------------------------- dense fp64 reference
@@ -71,7 +36,7 @@ def _dense_mask(name: str, s: int) -> torch.Tensor:
     """(B|1, 1, S, S) bool of each mask_mod, built independently of the ring's evaluation."""
     q, k = torch.arange(s)[:, None], torch.arange(s)[None, :]
     if name == "document":
-        ids = _doc_ids(s)
+        ids = mods_doc_ids(s)
         return (ids[:, :, None] == ids[:, None, :]).unsqueeze(1)
     full = {"causal": q >= k, "window": (q >= k) & (q - k < WINDOW), "prefix_lm": (k < PREFIX) | (q >= k),
             "none": torch.ones(s, s, dtype=torch.bool)}[name]
@@ -82,7 +47,7 @@ def _dense_scores(name: str, s64: torch.Tensor) -> torch.Tensor:
     s = s64.shape[-1]
     if name == "alibi":
         rel = (torch.arange(s)[None, :] - torch.arange(s)[:, None]).double()
-        return s64 + _slopes().double()[None, :, None, None] * rel
+        return s64 + alibi_slopes().double()[None, :, None, None] * rel
     if name == "softcap":
         return CAP * torch.tanh(s64 / CAP)
     return s64
@@ -133,9 +98,9 @@ def _rank_mods(cases):
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         kw = dict(mask_mod=MODS[mname], score_mod=MODS[sname])
         if mname == "document":
-            kw["mask_buffers"] = [_doc_ids(S)]
+            kw["mask_buffers"] = [mods_doc_ids(S)]
         if sname == "alibi":
-            kw["score_buffers"] = [_slopes()]
+            kw["score_buffers"] = [alibi_slopes()]
         out = cp_compile.ring_attention(q, k, v, causal=causal, load_balance=lb, kernel=kernel, **kw)
         out.backward(dout)
         res.append((out.detach(), q.grad, k.grad, v.grad))
@@ -150,12 +115,13 @@ def test_mods_match_dense_fp64(ranks, world):
         ref = _reference(*_inputs(hkv, 300 + i), mname, sname, causal)
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             got = assemble([res[i][j] for res in per_rank], S, lb)
-            if not relerr(got, ref[j]) <= FP32:
+            if not rel(got, ref[j]) <= FP32:
                 failures.append(f"N={world} {mname}+{sname} causal={causal} {lb} {kernel} {name}: "
-                                f"{relerr(got, ref[j]):.3g}")
+                                f"{rel(got, ref[j]):.3g}")
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hkv,causal,mask_name", [(2, True, "none"), (1, False, "document"), (4, False, "prefix_lm")])
 def test_score_kernel_row_tiles_match_dense(monkeypatch, hkv: int, causal: bool, mask_name: str):
     """One process, rectangles cut into row tiles of a few rows (dK/dV accumulated in place over the
@@ -166,13 +132,13 @@ def test_score_kernel_row_tiles_match_dense(monkeypatch, hkv: int, causal: bool,
     monkeypatch.setattr(scores, "TILE_ELEMENTS", 2 * H * S * 3)  # B·H·rows·Lk: about 3 rows a tile
     q, k, v, dout = _inputs(hkv, 40 + hkv)
     ql, kl, vl = (t.float().requires_grad_() for t in (q, k, v))
-    kw = {"mask_mod": MODS[mask_name], "mask_buffers": [_doc_ids(S)] if mask_name == "document" else None}
-    out = cp_compile.ring_attention(ql, kl, vl, causal=causal, score_mod=alibi_mod, score_buffers=[_slopes()],
+    kw = {"mask_mod": MODS[mask_name], "mask_buffers": [mods_doc_ids(S)] if mask_name == "document" else None}
+    out = cp_compile.ring_attention(ql, kl, vl, causal=causal, score_mod=alibi_mod, score_buffers=[alibi_slopes()],
                                     **{k_: v_ for k_, v_ in kw.items() if v_ is not None})
     out.backward(dout.float())
     ref = _reference(q, k, v, dout, mask_name, "alibi", causal)
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), ref):
-        assert relerr(got, want) <= FP32, (name, relerr(got, want))
+        assert rel(got, want) <= FP32, (name, rel(got, want))
 
 
 def _rank_padded(valid: int):
@@ -186,7 +152,7 @@ def _rank_padded(valid: int):
     key = register_mods(mask_mod=document_mod, score_mod=alibi_mod)
     out, _ = torch.ops.cp_compile.ring_attention_fwd(
         q, k, v, True, D ** -0.5, dist.group.WORLD.group_name, "zigzag", "p2p", "aten", valid_len=valid, mods=key,
-        mask_buffers=[_doc_ids(S)[:, :valid]], score_buffers=[_slopes()])
+        mask_buffers=[mods_doc_ids(S)[:, :valid]], score_buffers=[alibi_slopes()])
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -202,7 +168,7 @@ def test_padded_sequence_with_unpadded_buffers(ranks):
     for j, name in enumerate(("out", "dq", "dk", "dv")):
         got = assemble([res[j] for res in per_rank], S, "zigzag")
         got, want = (got[:, :, :valid], ref[j][:, :, :valid]) if j == 0 else (got, ref[j])
-        assert relerr(got, want) <= FP32, (name, relerr(got, want))
+        assert rel(got, want) <= FP32, (name, rel(got, want))
 
 
 # --------------------------------------------------------------------------- skipping
@@ -246,29 +212,30 @@ def test_wholly_masked_rectangles_are_skipped(ranks):
 
 def test_learned_buffer_is_refused():
     q, k, v, _ = (t.float() for t in _inputs(2, 2))
-    slopes = _slopes().requires_grad_()
+    slopes = alibi_slopes().requires_grad_()
     with pytest.raises(ValueError, match="requires grad.*Fix: pass it .detach"):
         cp_compile.ring_attention(q, k, v, causal=True, score_mod=alibi_mod, score_buffers=[slopes])
     with pytest.raises(ValueError, match="Fix"):
-        cp_compile.ring_attention(q, k, v, causal=True, mask_buffers=[_doc_ids(S)])  # no mask_mod reads it
+        cp_compile.ring_attention(q, k, v, causal=True, mask_buffers=[mods_doc_ids(S)])  # no mask_mod reads it
 
 
+@pytest.mark.slow
 def test_traced_ring_attention_is_one_graph_and_exact():
     """torch.compile(fullgraph=True) of ring_attention with doc_ids, a mask_mod and a score_mod (one
     process): the mods key is a trace-time constant, and the result equals eager and the reference."""
     q, k, v, dout = _inputs(2, 11)
     ql, kl, vl = (t.float().requires_grad_() for t in (q, k, v))
-    ids = _doc_ids(S)
+    ids = mods_doc_ids(S)
 
     def attend(q, k, v, ids, slopes):
         return cp_compile.ring_attention(q, k, v, doc_ids=ids, mask_mod=causal_mod, score_mod=alibi_mod,
                                          score_buffers=[slopes])
 
-    out = torch.compile(attend, fullgraph=True, backend="aot_eager")(ql, kl, vl, ids, _slopes())
+    out = torch.compile(attend, fullgraph=True, backend="aot_eager")(ql, kl, vl, ids, alibi_slopes())
     out.backward(dout.float())
     ref = _reference(q, k, v, dout, "document", "alibi", True)
     for got, want in zip((out, ql.grad, kl.grad, vl.grad), ref):
-        assert relerr(got, want) <= FP32
+        assert rel(got, want) <= FP32
 
 
 def _window_mod_of(w: int):
@@ -305,14 +272,15 @@ def _opcheck_with_mods():
     name = dist.group.WORLD.group_name
     q, k, v, _ = (cp_compile.shard(t, 2).float().requires_grad_() for t in _inputs(2, 3))
     key = register_mods(mask_mod=document_mod, score_mod=alibi_mod)
-    doc = _doc_ids(S)
+    doc = mods_doc_ids(S)
     args = (q, k, v, False, 0.25, name, "zigzag", "p2p", "aten")
-    kwargs = dict(doc_ids=doc.int(), mods=key, mask_buffers=[doc], score_buffers=[_slopes()])
+    kwargs = dict(doc_ids=doc.int(), mods=key, mask_buffers=[doc], score_buffers=[alibi_slopes()])
     tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     res = torch.library.opcheck(torch.ops.cp_compile.ring_attention_fwd.default, args, kwargs, test_utils=tests)
     return {t: str(r) for t, r in res.items() if r != "SUCCESS"}
 
 
+@pytest.mark.slow
 def test_ring_op_with_mods_passes_opcheck(ranks):
     for rank, failures in enumerate(ranks.run(2, _opcheck_with_mods, timeout=300)):
         assert failures == {}, f"rank {rank}: {failures}"

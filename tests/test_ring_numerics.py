@@ -18,46 +18,8 @@ import torch
 import torch.distributed as dist
 
 import cp_compile
-from test_ring_exact import QUANTITIES, ROTATES, _ring_fwd_bwd, assemble, make_inputs, relerr, sdpa_fwd_bwd
-
-def large_logit_inputs(kind: str, seed: int, s: int = 64, d: int = 64):
-    """Full fp64 (q, k, v, dout, scale), exactly representable in fp32, with logits of magnitude ~1e3.
-
-    q and k lie on a grid (multiples of 1/8, resp. integers) small enough that every partial
-    sum of q.k is exactly representable in fp32 and the scale is a power of two: the fp32
-    logits are *exact* in any summation order. What is left is the attention's own rounding
-    (exp, lse, merge), which is what this test is about; otherwise the fp32 rounding of the
-    logits themselves (ulp(1e3) ~ 6e-5, accumulated over the head dim) puts a ~1e-4 floor
-    under single-process SDPA too.
-
-    ``shifted``: every logit of a query row is +-1000 + O(1) (q[..., 0] = +-1000, k[..., 0] = 1,
-    scale 1): an ordinary, well-conditioned softmax, but exp(logit) overflows every float, so
-    only a max-subtracted kernel and an lse-space merge give finite numbers.
-    ``saturated``: integer q, k ~ N(0, 250) so logits = q.k / 8 have std ~250 and reach ~1e3:
-    the softmax is one-hot to machine precision on almost every row.
-    """
-    g = torch.Generator().manual_seed(seed)
-    b, h, hkv = 1, 4, 2
-    assert d == 64
-    if kind == "shifted":
-        sigma = (d - 1) ** -0.25  # the O(1) part of the logits has std ~1
-        q = torch.round(torch.randn(b, h, s, d, generator=g, dtype=torch.float64) * sigma * 8) / 8
-        k = torch.round(torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64) * sigma * 8) / 8
-        sign = torch.randint(0, 2, (b, h, s), generator=g).double() * 2 - 1
-        q[..., 0] = 1000.0 * sign
-        k[..., 0] = 1.0
-        scale = 1.0
-    elif kind == "saturated":
-        a = 250.0**0.5  # q.k ~ N(0, a^4 d), logits = q.k / sqrt(d) ~ N(0, a^4) = N(0, 250^2)
-        q = torch.round(torch.randn(b, h, s, d, generator=g, dtype=torch.float64) * a)
-        k = torch.round(torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64) * a)
-        scale = None  # 1/8
-    else:
-        raise ValueError(kind)
-    v = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
-    v, dout = (t.float().double() for t in (v, dout))
-    return q, k, v, dout, scale
+from checks import (QUANTITIES, ROTATES, assemble, large_logit_inputs, large_logits_rank_fn, make_inputs, rel,
+                    ring_fwd_bwd, sdpa_fwd_bwd)
 
 
 LARGE_LOGIT_CASES = [
@@ -65,18 +27,11 @@ LARGE_LOGIT_CASES = [
     for i, (kind, (lb, causal, kernel)) in enumerate(
         product(
             ("shifted", "saturated"),
-            (("zigzag", True, "auto"), ("striped", True, "reference"), ("contiguous", False, "auto"), ("striped", False, "aten")),
+            (("zigzag", True, "auto"), ("striped", True, "reference"), ("contiguous", False, "auto"),
+             ("striped", False, "aten")),
         )
     )
 ]
-
-
-def _large_logits_rank_fn(cases):
-    out = []
-    for case in cases:
-        q, k, v, dout, scale = large_logit_inputs(case["kind"], case["seed"])
-        out.append(_ring_fwd_bwd(q, k, v, dout, case, "p2p", torch.float32, scale=scale))
-    return out
 
 
 def test_large_logits_finite_and_accurate(ranks):
@@ -95,7 +50,7 @@ def test_large_logits_finite_and_accurate(ranks):
     out 3e-6, dq/dk up to 1.7e-4 vs SDPA 2e-8 / 2e-5.
     """
     world = 4
-    results = ranks.run(world, _large_logits_rank_fn, LARGE_LOGIT_CASES, timeout=300)
+    results = ranks.run(world, large_logits_rank_fn, LARGE_LOGIT_CASES, timeout=300)
     failures = []
     for i, case in enumerate(LARGE_LOGIT_CASES):
         q, k, v, dout, scale = large_logit_inputs(case["kind"], case["seed"])
@@ -115,11 +70,11 @@ def test_large_logits_finite_and_accurate(ranks):
             if not torch.isfinite(got).all():
                 failures.append(f"{case}: {qname} has NaN/Inf")
                 continue
-            err = relerr(got, want)
+            err = rel(got, want)
             if err > tols[qname]:
                 failures.append(
                     f"{case}: {qname} rel err {err:.3g} > {tols[qname]:g} "
-                    f"(single-process fp32 SDPA: {relerr(sgl, want):.3g})"
+                    f"(single-process fp32 SDPA: {rel(sgl, want):.3g})"
                 )
     assert not failures, "\n".join(failures)
 
@@ -182,7 +137,7 @@ def test_torch_compile_fullgraph_matches_eager(ranks):
             res = res[i]
             for variant in ("compiled", "recorded"):
                 for qname, a, b in zip(QUANTITIES, res[variant], res["eager"]):
-                    err = relerr(a, b)
+                    err = rel(a, b)
                     assert err <= 1e-6, f"{case} rank {r}: {variant} {qname} differs from eager (rel {err:.3g})"
             g = res["graphs"]
             # one Dynamo graph (fullgraph=True would have raised on a break), holding the op whole
@@ -213,8 +168,8 @@ def test_world_size_one_without_process_group_is_sdpa(case, dtype, scale):
     assert not (dist.is_available() and dist.is_initialized()), "the pytest process must not init a group"
     q, k, v, dout = make_inputs(case)
     for rot in ROTATES:
-        got = _ring_fwd_bwd(q, k, v, dout, case, rot, dtype, scale=scale)
+        got = ring_fwd_bwd(q, k, v, dout, case, rot, dtype, scale=scale)
         want = sdpa_fwd_bwd(q, k, v, dout, case["causal"], dtype, scale=scale)
         for qname, a, b in zip(QUANTITIES, got, want):
             assert a.dtype == b.dtype == dtype
-            assert torch.equal(a, b) or relerr(a, b) <= 1e-6, f"{case} {rot} {qname}: {relerr(a, b):.3g}"
+            assert torch.equal(a, b) or rel(a, b) <= 1e-6, f"{case} {rot} {qname}: {rel(a, b):.3g}"

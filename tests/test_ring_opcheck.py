@@ -7,6 +7,7 @@ same order, so the collectives inside the repeated op calls match up.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -38,8 +39,10 @@ def _opcheck_on_rank():
             args = (q, k, v, causal, 0.25, name, lb, "p2p", "aten")
             res = torch.library.opcheck(torch.ops.cp_compile.ring_attention_fwd.default, args, test_utils=_TESTS)
             bad = {t: r for t, r in res.items() if r != "SUCCESS"}
-            out, lse = torch.ops.cp_compile.ring_attention_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
-            bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, name, lb, "p2p", "aten")
+            detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+            out, lse = torch.ops.cp_compile.ring_attention_fwd(*detached)
+            bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, name, lb,
+                        "p2p", "aten")
             res_b = torch.library.opcheck(
                 torch.ops.cp_compile.ring_attention_bwd.default, bwd_args, test_utils=("test_schema", "test_faketensor")
             )
@@ -49,6 +52,7 @@ def _opcheck_on_rank():
     return failures
 
 
+@pytest.mark.slow
 def test_ring_custom_ops_pass_opcheck(ranks):
     for rank, failures in enumerate(ranks.run(2, _opcheck_on_rank)):
         assert failures == {}, f"rank {rank}: {failures}"

@@ -26,16 +26,9 @@ import cp_compile
 from cp_compile.document_layout import imbalance, layout_table, rank_work, zigzag_layout
 from cp_compile.ring.plan import segment_pairs, step_segments, table_segments
 from cp_compile.sequence import check_table, rank_positions
-from test_ring_docs import _ids, _reference, dense_mask
-from test_ring_exact import relerr
+from checks import attention_inputs, dead_rows, dense_mask, doc_ids, masked_sdpa_reference, rel
 
 FP32 = 1e-5
-
-
-def _inputs(b, h, hkv, s, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64) for shape in
-            ((b, h, s, d), (b, hkv, s, d), (b, hkv, s, d), (b, h, s, d))]
 
 
 def lognormal_lengths(s: int, seed: int) -> list:
@@ -79,6 +72,7 @@ def test_table_plan_equals_the_fixed_layouts():
                             assert got == want, (lb, n, c, causal, r, src, valid, got, want)
 
 
+@pytest.mark.slow
 def test_table_plan_covers_exactly_the_visible_pairs():
     for seed in range(20):
         n, c = (2, 4, 3)[seed % 3], (5, 8, 16)[seed % 3]
@@ -120,7 +114,7 @@ def _cases(world):
     s = 32 * world  # S = 64 (N = 2) or 128 (N = 4)
     lens = lognormal_lengths(s, 0)
     rows = [lens, lognormal_lengths(s, 1)]  # B = 2, packed differently
-    ids2 = _ids(rows, s)
+    ids2 = doc_ids(rows, s)
     return [
         dict(name="docs aten", causal=True, kernel="aten", table=layout_table(lens, world), lens=[lens], hkv=2),
         dict(name="docs reference", causal=True, kernel="reference", table=layout_table(lens, world), lens=[lens],
@@ -145,7 +139,7 @@ def _case_mask(c, s):
     """(dense bool mask (B|1, 1, S, S), real query rows (2, S)) of a case."""
     valid = c.get("valid", -1)
     if "lens" in c:
-        mask = dense_mask(_ids(c["lens"], s), s, c["causal"], valid)
+        mask = dense_mask(doc_ids(c["lens"], s), s, c["causal"], valid)
     else:
         mask = torch.ones(1, 1, s, s, dtype=torch.bool)
         mask = mask.tril() if c["causal"] else mask
@@ -161,16 +155,15 @@ def _case_mask(c, s):
 
 
 def _rank_cases(cases, s):
-    from test_ring_docs import _dead
 
     res = []
     for i, c in enumerate(cases):
-        q, k, v, dout = _inputs(2, 4, c["hkv"], s, 16, 300 + i)
-        dout = dout.masked_fill(_dead(*_case_mask(c, s)), 0.0)  # padding / dead rows carry no gradient
+        q, k, v, dout = attention_inputs(2, 4, c["hkv"], s, s, 16, seed=300 + i)
+        dout = dout.masked_fill(dead_rows(*_case_mask(c, s)), 0.0)  # padding / dead rows carry no gradient
         table = c["table"]
         ql, kl, vl, dl = (cp_compile.shard(t, 2, positions=table).float().contiguous() for t in (q, k, v, dout))
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-        docs = _ids(c["lens"], s) if "lens" in c else None
+        docs = doc_ids(c["lens"], s) if "lens" in c else None
         if "valid" in c:  # padding is an op argument (the backend's), not a public one
             out, _ = torch.ops.cp_compile.ring_attention_fwd(
                 ql, kl, vl, c["causal"], 0.25, dist.group.WORLD.group_name, "zigzag", "p2p", c["kernel"],
@@ -187,17 +180,18 @@ def _rank_cases(cases, s):
 def _compare(cases, per_rank, s, world):
     failures = []
     for i, c in enumerate(cases):
-        q, k, v, dout = _inputs(2, 4, c["hkv"], s, 16, 300 + i)
-        ref, dead = _reference(q, k, v, dout, *_case_mask(c, s))  # SDPA's scale 1/sqrt(16) = the ring's 0.25
+        q, k, v, dout = attention_inputs(2, 4, c["hkv"], s, s, 16, seed=300 + i)
+        ref, dead = masked_sdpa_reference(q, k, v, dout, *_case_mask(c, s))  # SDPA's scale 1/sqrt(16) = the ring's 0.25
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             got = _assemble([res[i][j] for res in per_rank], c["table"])
             if j == 0:
                 got = got.masked_fill(dead, 0.0)  # padding rows: whatever the ring computes there is unused
-            if not (torch.isfinite(got).all() and relerr(got, ref[j]) <= FP32):
-                failures.append(f"N={world} {c['name']} {name}: {relerr(got, ref[j]):.3g}")
+            if not (torch.isfinite(got).all() and rel(got, ref[j]) <= FP32):
+                failures.append(f"N={world} {c['name']} {name}: {rel(got, ref[j]):.3g}")
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_table_layout_matches_sdpa(ranks, world):
     s, cases = 32 * world, _cases(world)
@@ -207,24 +201,26 @@ def test_table_layout_matches_sdpa(ranks, world):
 
 
 def _rank_triton(table, lens, s):
-    q, k, v, dout = _inputs(2, 4, 2, s, 16, 77)
+    q, k, v, dout = attention_inputs(2, 4, 2, s, s, 16, seed=77)
     ql, kl, vl, dl = (cp_compile.shard(t, 2, positions=table).float().contiguous() for t in (q, k, v, dout))
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-    out = cp_compile.ring_attention(ql, kl, vl, causal=True, kernel="triton", doc_ids=_ids([lens], s),
+    out = cp_compile.ring_attention(ql, kl, vl, causal=True, kernel="triton", doc_ids=doc_ids([lens], s),
                                     positions=table)
     out.backward(dl)
     return out.detach(), ql.grad, kl.grad, vl.grad
 
 
+@pytest.mark.slow
 def test_table_layout_on_triton(ranks):
     s, lens = 64, lognormal_lengths(64, 2)
     table = layout_table(lens, 2)
     per_rank = ranks.run(2, _rank_triton, table, lens, s, timeout=300)
-    q, k, v, dout = _inputs(2, 4, 2, s, 16, 77)
-    ref, _ = _reference(q, k, v, dout, dense_mask(_ids([lens], s), s, True), torch.ones(2, s, dtype=torch.bool))
+    q, k, v, dout = attention_inputs(2, 4, 2, s, s, 16, seed=77)
+    mask = dense_mask(doc_ids([lens], s), s, True)
+    ref, _ = masked_sdpa_reference(q, k, v, dout, mask, torch.ones(2, s, dtype=torch.bool))
     for j, name in enumerate(("out", "dq", "dk", "dv")):
         got = _assemble([res[j] for res in per_rank], table)
-        assert relerr(got, ref[j]) <= FP32, f"{name}: {relerr(got, ref[j]):.3g}"
+        assert rel(got, ref[j]) <= FP32, f"{name}: {rel(got, ref[j]):.3g}"
 
 
 # --------------------------------------------------------------------------- balance is real
@@ -247,8 +243,8 @@ def _count_pairs(lens, s, use_table):
     kw = dict(positions=table) if use_table else dict(load_balance="zigzag")
     type(kern).forward = counting
     try:
-        q, k, v, _ = (cp_compile.shard(t, 2, **kw).float() for t in _inputs(1, 2, 2, s, 8, 1))
-        cp_compile.ring_attention(q, k, v, causal=True, doc_ids=_ids([lens], s), kernel="aten", **kw)
+        q, k, v, _ = (cp_compile.shard(t, 2, **kw).float() for t in attention_inputs(1, 2, 2, s, s, 8, seed=1))
+        cp_compile.ring_attention(q, k, v, causal=True, doc_ids=doc_ids([lens], s), kernel="aten", **kw)
     finally:
         type(kern).forward = orig
     return pairs
@@ -306,16 +302,18 @@ def _opcheck_with_table():
     name, s = dist.group.WORLD.group_name, 32
     lens = lognormal_lengths(s, 4)
     table = layout_table(lens, 2)
-    q, k, v, _ = (cp_compile.shard(t, 2, positions=table).float().requires_grad_() for t in _inputs(2, 4, 2, s, 8, 5))
+    full = attention_inputs(2, 4, 2, s, s, 8, seed=5)
+    q, k, v, _ = (cp_compile.shard(t, 2, positions=table).float().requires_grad_() for t in full)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     failures = {}
-    for kwargs in (dict(positions=table), dict(doc_ids=_ids([lens], s), positions=table, valid_len=s - 3)):
+    for kwargs in (dict(positions=table), dict(doc_ids=doc_ids([lens], s), positions=table, valid_len=s - 3)):
         args = (q, k, v, True, 0.25, name, "zigzag", "p2p", "aten")
         res = torch.library.opcheck(torch.ops.cp_compile.ring_attention_fwd.default, args, kwargs, test_utils=tests)
         failures.update({f"{sorted(kwargs)} {t}": str(r) for t, r in res.items() if r != "SUCCESS"})
     return failures
 
 
+@pytest.mark.slow
 def test_ring_op_with_table_passes_opcheck(ranks):
     for rank, failures in enumerate(ranks.run(2, _opcheck_with_table, timeout=300)):
         assert failures == {}, f"rank {rank}: {failures}"
@@ -336,8 +334,9 @@ def _rank_compiled(tables, lens, s):
 
     outs = []
     for table in tables:
-        q, k, v, _ = (cp_compile.shard(t, 2, positions=table).float() for t in _inputs(1, 2, 2, s, 8, 9))
-        outs.append(attend(q, k, v, _ids([lens], s), table))
+        full = attention_inputs(1, 2, 2, s, s, 8, seed=9)
+        q, k, v, _ = (cp_compile.shard(t, 2, positions=table).float() for t in full)
+        outs.append(attend(q, k, v, doc_ids([lens], s), table))
     return outs, counter.frame_count
 
 
@@ -345,9 +344,10 @@ def test_table_under_torch_compile(ranks):
     s, lens = 64, lognormal_lengths(64, 5)
     tables = [layout_table(lens, 2), random_table(s, 2, 7)]
     per_rank = ranks.run(2, _rank_compiled, tables, lens, s, timeout=300)
-    q, k, v, dout = _inputs(1, 2, 2, s, 8, 9)
-    ref, _ = _reference(q, k, v, dout, dense_mask(_ids([lens], s), s, True), torch.ones(1, s, dtype=torch.bool))
+    q, k, v, dout = attention_inputs(1, 2, 2, s, s, 8, seed=9)
+    mask = dense_mask(doc_ids([lens], s), s, True)
+    ref, _ = masked_sdpa_reference(q, k, v, dout, mask, torch.ones(1, s, dtype=torch.bool))
     for i, table in enumerate(tables):
         got = _assemble([res[0][i] for res in per_rank], table)
-        assert relerr(got, ref[0]) <= FP32, (i, relerr(got, ref[0]))
+        assert rel(got, ref[0]) <= FP32, (i, rel(got, ref[0]))
     assert all(res[1] == 1 for res in per_rank), [res[1] for res in per_rank]  # one graph for both tables

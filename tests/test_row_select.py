@@ -117,6 +117,7 @@ def _compare(kind: str, seq_len: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["registers", "image_text"])
 @pytest.mark.parametrize("world,seq_len", [(2, 16), (4, 16), (2, 15)])  # 15: padded on 2 ranks
 def test_each_rank_computes_only_its_rows_of_the_pieces(ranks, kind: str, world: int, seq_len: int) -> None:

@@ -93,6 +93,7 @@ def _mismatches_counted(calls: List[int]) -> Dict[str, Any]:
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_given_different_batches_all_raise_naming_the_input_and_the_fix(ranks, world):
     for rank, res in enumerate(ranks.run(world, _mismatches, timeout=240)):
@@ -164,6 +165,7 @@ def _local_inputs_counted(calls: List[int]) -> Dict[str, Any]:
     return {"loss": rel(out.detach(), ref.detach()), "gathers": calls[0], "graphs": len(backend.graphs)}
 
 
+@pytest.mark.slow
 def test_local_inputs_are_not_checked(ranks):
     for rank, res in enumerate(ranks.run(2, _local_inputs, timeout=240)):
         assert res["loss"] <= TOL and res["graphs"] == 1 and res["gathers"] == 0, (rank, res)

@@ -47,18 +47,20 @@ def _train(steps: int, mode: str):
     explained = explain_record(ref_model, (ids, labels), world_size=torch.distributed.get_world_size(),
                                seq_inputs=dict(SHARD))
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-    cp_opt = torch.optim.SGD(cp_model.parameters(), lr=0.1) if mode == "sgd" else torch.optim.AdamW(cp_model.parameters(), lr=1e-2)
+    cp_opt = (torch.optim.SGD(cp_model.parameters(), lr=0.1) if mode == "sgd"
+              else torch.optim.AdamW(cp_model.parameters(), lr=1e-2))
     if mode == "sgd":
         ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
     if mode == "method":
         trainer = Trainer(cp_model, cp_opt)
-        step = lambda i, l: trainer.step(i, l)  # noqa: E731
+        step = lambda i, lab: trainer.step(i, lab)  # noqa: E731
         backend = Trainer.step.backend  # one per class, kept across calls of this function
     else:
         local = mode == "local"
         decorated = cp_compile.context_parallel(plain_step, shard=SHARD, inner="aot_eager",
                                                 inputs="local" if local else "full")
-        step = lambda i, l: decorated(cp_model, cp_opt, *((cp_compile.shard(i, 1), cp_compile.shard(l, 1)) if local else (i, l)))  # noqa: E731,E501
+        step = lambda i, lab: decorated(  # noqa: E731
+            cp_model, cp_opt, *((cp_compile.shard(i, 1), cp_compile.shard(lab, 1)) if local else (i, lab)))
         backend = decorated.backend
     seen, rewritten = len(backend.records), len(backend.graphs)  # the method's backend outlives this call
     with torch.no_grad(), AttentionCount() as count:  # the attention calls of one forward
@@ -75,6 +77,7 @@ def _train(steps: int, mode: str):
     return ref_losses, cp_losses, param_err, ring_mismatches(this_call, count.calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,mode", [(2, "function"), (4, "function"), (2, "method"), (2, "local"), (2, "sgd")])
 def test_twenty_decorated_steps_equal_single_process(ranks, world, mode):
     for ref, cp, param_err, rings in ranks.run(world, _train, 20, mode, timeout=300):

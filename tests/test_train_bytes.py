@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "train_bytes.py")
 TINY = ["--seq-len", "256", "--dim", "32", "--layers", "1"]
@@ -23,6 +25,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_train_bytes_torchrun_two_ranks(tmp_path):
     plot = tmp_path / "loss.png"
     proc = subprocess.run(
@@ -47,6 +50,7 @@ def test_train_bytes_torchrun_two_ranks(tmp_path):
         assert plot.exists(), out
 
 
+@pytest.mark.slow
 def test_train_bytes_single_prints_json():
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--single", "--steps", "2", *TINY],

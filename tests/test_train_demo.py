@@ -8,10 +8,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--seq-len", "64", "--steps", "2", "--dim", "32", "--ffn", "64", "--vocab", "128"]
 
 
+@pytest.mark.slow
 def test_train_demo_runs_and_losses_match():
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "train_demo.py"), *TINY],

@@ -26,37 +26,9 @@ import torch
 from cp_compile.kernels import get_kernel
 from cp_compile.kernels.triton import Tiles, TritonKernel, zero_grads
 from cp_compile.sequence import rank_positions
+from checks import attention_inputs, check_fp32, position_reference, real_compile, rel_or_abs
 
 T16 = Tiles(16, 16)  # small tiles: several per block, partial last tiles
-FP32_RTOL = 1e-5
-
-
-def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    den = b.norm()
-    return ((a - b).norm() / den).item() if den > 0 else (a - b).norm().item()
-
-
-def inputs(b, h, hkv, sq, sk, d, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
-    return mk(b, h, sq, d), mk(b, hkv, sk, d), mk(b, hkv, sk, d), mk(b, h, sq, d)
-
-
-def reference(q, k, v, dout, q_pos, k_pos, *, causal, scale, kv_limit=2**31 - 1):
-    """fp64 (out, lse, dq, dk, dv) of position-masked attention; keyless rows: out 0, lse -inf."""
-    q, k, v, dout = (t.detach().double().requires_grad_() for t in (q, k, v, dout))
-    rep = q.shape[1] // k.shape[1]
-    ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    visible = (k_pos[None, :] < kv_limit).expand(len(q_pos), -1)
-    if causal:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    s = (q @ ke.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # (B, H, Sq, Sk)
-    lse = torch.logsumexp(s, -1)  # -inf for keyless rows
-    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
-    out = p @ ve
-    out.backward(dout)
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 def run(kernel, q, k, v, dout, q_pos, k_pos, *, causal, scale, kv_limit=2**31 - 1, lse_for_bwd=None, out_for_bwd=None):
@@ -73,28 +45,20 @@ def run(kernel, q, k, v, dout, q_pos, k_pos, *, causal, scale, kv_limit=2**31 - 
     return (out, lse, *grads)
 
 
-def check_fp32(got, want, what):
-    names = ("out", "lse", "dq", "dk", "dv")
-    for name, g, w in zip(names, got, want):
-        assert not g.isnan().any(), f"{what}: {name} has NaN"
-        if name == "lse":
-            assert torch.equal(g.isinf(), w.isinf()), f"{what}: keyless rows differ"
-            g, w = g[~w.isinf()], w[~w.isinf()]
-        assert relerr(g, w) <= FP32_RTOL, f"{what}: {name} rel err {relerr(g, w):.3g}"
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [16, 24, 64, 80, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_local_step_matches_fp64(d, causal):
     """Plain causal / non-causal attention over local positions, MHA and GQA, every head dim."""
     h, hkv = (4, 2) if d % 16 else (2, 2)
-    q, k, v, dout = inputs(1, h, hkv, 48, 48, d, seed=d)
+    q, k, v, dout = attention_inputs(1, h, hkv, 48, 48, d, dtype=torch.float32, seed=d)
     pos = torch.arange(48)
-    want = reference(q, k, v, dout, pos, pos, causal=causal, scale=d**-0.5)
+    want = position_reference(q, k, v, dout, pos, pos, causal=causal, scale=d**-0.5)
     got = run(TritonKernel(T16), q, k, v, dout, pos, pos, causal=causal, scale=d**-0.5)
     check_fp32(got, want, f"d={d} causal={causal}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
 def test_every_layout_step_matches_fp64(layout):
     """Ranks 1 and 2 of a 4-rank causal ring against every visiting block (lower, own and
@@ -104,19 +68,20 @@ def test_every_layout_step_matches_fp64(layout):
     for rank in (1, 2):
         for src in range(n):
             q_pos, k_pos = rank_positions(s, n, rank, layout), rank_positions(s, n, src, layout)
-            q, k, v, dout = inputs(2, 2, 1, s // n, s // n, d, seed=10 * rank + src)
-            want = reference(q, k, v, dout, q_pos, k_pos, causal=True, scale=0.3)
+            q, k, v, dout = attention_inputs(2, 2, 1, s // n, s // n, d, dtype=torch.float32, seed=10 * rank + src)
+            want = position_reference(q, k, v, dout, q_pos, k_pos, causal=True, scale=0.3)
             got = run(kern, q, k, v, dout, q_pos, k_pos, causal=True, scale=0.3)
             check_fp32(got, want, f"{layout} rank {rank} src {src}")
 
 
+@pytest.mark.slow
 def test_mixed_lengths_padding_and_masked_blocks():
     """S_q != S_k, padding keys cut by kv_limit, and a block whose keys are all invisible."""
     kern = TritonKernel(T16)
-    q, k, v, dout = inputs(1, 4, 2, 40, 72, 24, seed=3)
+    q, k, v, dout = attention_inputs(1, 4, 2, 40, 72, 24, dtype=torch.float32, seed=3)
     q_pos, k_pos = torch.arange(100, 140), torch.arange(0, 144, 2)
     for causal, limit in ((False, 2**31 - 1), (False, 90), (True, 2**31 - 1), (True, 50)):
-        want = reference(q, k, v, dout, q_pos, k_pos, causal=causal, scale=0.2, kv_limit=limit)
+        want = position_reference(q, k, v, dout, q_pos, k_pos, causal=causal, scale=0.2, kv_limit=limit)
         got = run(kern, q, k, v, dout, q_pos, k_pos, causal=causal, scale=0.2, kv_limit=limit)
         check_fp32(got, want, f"causal={causal} kv_limit={limit}")
     # Every key after every query: the block is skipped, rows stay keyless.
@@ -129,30 +94,31 @@ def test_mixed_lengths_padding_and_masked_blocks():
 
 def test_rows_without_keys_mid_block():
     """Some rows see keys and some do not (causal, keys start mid-query-range): no NaN."""
-    q, k, v, dout = inputs(1, 2, 2, 32, 32, 16, seed=5)
+    q, k, v, dout = attention_inputs(1, 2, 2, 32, 32, 16, dtype=torch.float32, seed=5)
     q_pos, k_pos = torch.arange(32), torch.arange(20, 52)
-    want = reference(q, k, v, dout, q_pos, k_pos, causal=True, scale=0.25)
+    want = position_reference(q, k, v, dout, q_pos, k_pos, causal=True, scale=0.25)
     got = run(TritonKernel(T16), q, k, v, dout, q_pos, k_pos, causal=True, scale=0.25,
               lse_for_bwd=want[1], out_for_bwd=want[0])
     check_fp32(got, want, "rows without keys")
     assert got[1][..., :20].isneginf().all() and torch.equal(got[0][..., :20, :], torch.zeros(1, 2, 20, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_low_precision_within_2x_of_aten(dtype, causal):
-    q, k, v, dout = inputs(2, 4, 2, 64, 64, 64, dtype=dtype, seed=7)
+    q, k, v, dout = attention_inputs(2, 4, 2, 64, 64, 64, dtype=dtype, seed=7)
     pos = torch.arange(64)
-    want = reference(q, k, v, dout, pos, pos, causal=causal, scale=0.125)
+    want = position_reference(q, k, v, dout, pos, pos, causal=causal, scale=0.125)
     aten, tri = get_kernel("aten", q.device, dtype), TritonKernel(T16)
     a_out, a_lse = aten.forward(q, k, v, causal=causal, scale=0.125)
     a_grads = aten.backward(dout, q, k, v, a_out, a_lse, causal=causal, scale=0.125)
     t_out, t_lse, *t_grads = run(tri, q, k, v, dout, pos, pos, causal=causal, scale=0.125)
     # Both backwards from their own forward's out/lse, as in training.
     for name, t, a, w in zip(("out", "dq", "dk", "dv"), (t_out, *t_grads), (a_out, *a_grads), (want[0], *want[2:])):
-        te, ae = relerr(t.to(dtype), w), relerr(a, w)
+        te, ae = rel_or_abs(t.to(dtype), w), rel_or_abs(a, w)
         assert te <= 2 * ae, f"{dtype} {name}: triton {te:.3g} vs aten {ae:.3g}"
-    assert relerr(t_lse, want[1]) <= 2 * max(relerr(a_lse, want[1]), 1e-6)
+    assert rel_or_abs(t_lse, want[1]) <= 2 * max(rel_or_abs(a_lse, want[1]), 1e-6)
 
 
 def test_dtypes_and_head_dims_refused_with_fix():
@@ -181,22 +147,7 @@ def test_benchmark_flop_count_and_dry_run(capsys):
     assert "interpreter dry run" in out and out.count("rank") >= 2
 
 
-def real_compile(calls: str) -> list:
-    """The records of ``calls`` (an expression over ``compile_all``) run by the real Triton compiler
-    in a subprocess without TRITON_INTERPRET."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    code = f"import json; from cp_compile.kernels.triton.compile_check import compile_all; print(json.dumps({calls}))"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
+@pytest.mark.slow
 def test_kernels_compile_for_real_gpus():
     """The real Triton compiler (ptxas included) accepts every kernel for sm_80 and sm_90:
     tile shapes, dtypes and control flow obey the GPU's rules, which the interpreter

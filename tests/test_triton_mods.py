@@ -33,10 +33,8 @@ import torch
 from cp_compile.kernels.triton import Tiles, TritonKernel, zero_grads
 from cp_compile.ring.mods import Mods
 from cp_compile.sequence import rank_positions
-from test_ring_exact import assemble
-from test_ring_mods import (alibi_mod, causal_mod, document_mod, prefix_lm_mod, softcap_mod, window_mod, _doc_ids,
-                            _slopes)
-from test_triton_kernels import check_fp32, inputs, relerr
+from checks import (alibi_mod, alibi_slopes, assemble, attention_inputs, causal_mod, check_fp32, document_mod,
+                    mods_doc_ids, prefix_lm_mod, real_compile, rel_or_abs, softcap_mod, window_mod)
 
 T16 = Tiles(16, 16)
 NO_LIMIT = 2**31 - 1
@@ -48,8 +46,8 @@ SCORES = {"alibi": alibi_mod, "softcap": softcap_mod, "none": None}
 
 def make_mods(mask: str, score: str, s: int) -> Mods:
     """The named mods of tests/test_ring_mods.py with their buffers (document ids (2, s), 4 slopes)."""
-    return Mods(MASKS[mask], SCORES[score], (_doc_ids(s),) if mask == "document" else (),
-                (_slopes(),) if score == "alibi" else ())
+    return Mods(MASKS[mask], SCORES[score], (mods_doc_ids(s),) if mask == "document" else (),
+                (alibi_slopes(),) if score == "alibi" else ())
 
 
 def reference(q, k, v, dout, q_pos, k_pos, mods: Mods, *, causal: bool, kv_limit: int = NO_LIMIT):
@@ -97,21 +95,23 @@ STEP_CASES = [  # (mask_mod, score_mod, causal flag, q_pos, k_pos, kv_limit, H_k
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(STEP_CASES)))
 def test_step_with_mods_matches_fp64(case):
     mask, score, causal, q_pos, k_pos, limit, hkv = STEP_CASES[case]
     mods = make_mods(mask, score, 48)
-    q, k, v, dout = inputs(2, 2, hkv, len(q_pos), len(k_pos), 16, seed=70 + case)
+    q, k, v, dout = attention_inputs(2, 2, hkv, len(q_pos), len(k_pos), 16, dtype=torch.float32, seed=70 + case)
     want = reference(q, k, v, dout, q_pos, k_pos, mods, causal=causal, kv_limit=limit)
     got = run_step(TritonKernel(T16), q, k, v, dout, q_pos, k_pos, mods, causal=causal, kv_limit=limit)
     check_fp32(got, want, f"{mask}+{score} causal={causal} limit={limit}")
 
 
+@pytest.mark.slow
 def test_tiles_a_mask_mod_masks_wholly_are_skipped():
     """The forward and dQ kernels compute exactly the (query tile, key tile) pairs, per batch row and head,
     with a pair visible under the document mask_mod (brute force), fewer than the position rules keep."""
     mods, pos = make_mods("document", "softcap", 48), torch.arange(48)
-    q, k, v, dout = inputs(2, 2, 1, 48, 48, 16, seed=60)
+    q, k, v, dout = attention_inputs(2, 2, 1, 48, 48, 16, dtype=torch.float32, seed=60)
     counters = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     kern, p32 = TritonKernel(T16), pos.to(torch.int32)
     state = kern.new_state(q)
@@ -146,11 +146,12 @@ def sink_score(score, b, h, q_idx, kv_idx, gain):
     return t - torch.fmod(rel, 3).float() * 0.02 + OFFSET
 
 
+@pytest.mark.slow
 def test_translated_op_set_matches_pytorch():
     """Every other translated op, against the same mods evaluated by PyTorch (vmap), forward and backward."""
     mods = Mods(sink_mask, sink_score, (), (torch.tensor([1.0, -0.5, 2.0, 0.25]),))
     q_pos, k_pos = ZZ[0], ZZ[1]
-    q, k, v, dout = inputs(2, 2, 1, len(q_pos), len(k_pos), 16, seed=90)
+    q, k, v, dout = attention_inputs(2, 2, 1, len(q_pos), len(k_pos), 16, dtype=torch.float32, seed=90)
     q = q * 4  # scores of a few units: both sides of the clamp, the gate and the log
     want = reference(q, k, v, dout, q_pos, k_pos, mods, causal=False)
     got = run_step(TritonKernel(T16), q, k, v, dout, q_pos, k_pos, mods, causal=False)
@@ -209,7 +210,7 @@ def _rank_op(valid: int):
     key = register_mods(mask_mod=document_mod, score_mod=alibi_mod)
     out, _ = torch.ops.cp_compile.ring_attention_fwd(
         q, k, v, True, SCALE, dist.group.WORLD.group_name, "zigzag", "p2p", "triton", valid_len=valid, mods=key,
-        mask_buffers=[_doc_ids(48)[:, :valid]], score_buffers=[_slopes()])
+        mask_buffers=[mods_doc_ids(48)[:, :valid]], score_buffers=[alibi_slopes()])
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -221,13 +222,13 @@ def test_ring_op_with_mods_on_triton_matches_one_process(ranks):
     valid = 42
     per_rank = ranks.run(2, _rank_op, valid, timeout=300)
     pos = torch.arange(48)
-    mods = Mods(document_mod, alibi_mod, (_doc_ids(48)[:, :valid],), (_slopes(),))
+    mods = Mods(document_mod, alibi_mod, (mods_doc_ids(48)[:, :valid],), (alibi_slopes(),))
     want = reference(*_op_inputs(valid), pos, pos, mods, causal=True, kv_limit=valid)
     for j, name in enumerate(("out", "dq", "dk", "dv")):
         got = assemble([res[j] for res in per_rank], 48, "zigzag")
         ref = want[0 if j == 0 else j + 1]
         got, ref = (got[:, :, :valid], ref[:, :, :valid]) if j == 0 else (got, ref)
-        assert relerr(got, ref) <= 1e-5, f"{name}: {relerr(got, ref):.3g}"
+        assert rel_or_abs(got, ref) <= 1e-5, f"{name}: {rel_or_abs(got, ref):.3g}"
 
 
 def _flex_model(style: str) -> tuple:
@@ -241,18 +242,18 @@ def _flex_model(style: str) -> tuple:
     from checks import grad_errors, ring_mismatches
     from cp_compile.kernels.triton import mods as triton_mods
 
-    ref_model, inputs = flex_models.FACTORIES[style]()
+    ref_model, attention_inputs = flex_models.FACTORIES[style]()
     cp_model, _ = flex_models.FACTORIES[style]()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        ref = ref_model(*inputs)
+        ref = ref_model(*attention_inputs)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager", kernel="triton")
-    out = torch.compile(cp_model, backend=backend, fullgraph=True)(*inputs)
+    out = torch.compile(cp_model, backend=backend, fullgraph=True)(*attention_inputs)
     out.backward()
     grad = max(grad_errors(cp_model, ref_model).values())
     rings = ring_mismatches(backend, len(cp_model.layers))  # one flex_attention a layer
-    return relerr(out.detach(), ref.detach()), grad, len(triton_mods._CACHE), rings
+    return rel_or_abs(out.detach(), ref.detach()), grad, len(triton_mods._CACHE), rings
 
 
 @pytest.mark.slow
@@ -268,7 +269,6 @@ def test_flex_model_on_triton_matches_one_process(ranks):
 def test_mod_kernels_compile_for_real_gpus():
     """The mods variant of every kernel (document & window mask_mod, ALiBi under a soft-cap) passes the
     real Triton compiler (ptxas included) for sm_90, bf16, GQA, causal."""
-    from test_triton_kernels import real_compile
 
     records = real_compile("compile_all(90, 'bf16', head_dim=64, group=4, causal=True, mods=True)")
     assert len(records) == 4 and all(r["mods"] and r["cubin_bytes"] > 0 for r in records)

@@ -24,8 +24,8 @@ import torch
 from cp_compile.kernels.triton import Tiles, TritonKernel
 from cp_compile.sequence import rank_positions
 from cp_compile.ring.merge import merge_
-from test_ring_exact import _ring_fwd_bwd, assemble, make_inputs, reference as sdpa_reference, relerr
-from test_triton_kernels import inputs, reference
+from checks import (assemble, attention_inputs, example_through_ring_cp, large_logit_inputs, large_logits_rank_fn,
+                    make_inputs, position_reference, rel, ring_fwd_bwd, sdpa_fwd_bwd, sdpa_reference)
 
 T16 = Tiles(16, 16)
 BLOCK = 32  # keys per visiting block in the merge test
@@ -37,10 +37,10 @@ BLOCK = 32  # keys per visiting block in the merge test
 def merge_errors(n_blocks: int, seed: int) -> tuple[float, float]:
     """(in-kernel, out-of-kernel bf16) relative error of the merged output vs fp64."""
     kern = TritonKernel(T16)
-    q, k, v, dout = inputs(2, 4, 2, 32, BLOCK * n_blocks, 64, dtype=torch.bfloat16, seed=seed)
+    q, k, v, dout = attention_inputs(2, 4, 2, 32, BLOCK * n_blocks, 64, dtype=torch.bfloat16, seed=seed)
     k_pos = torch.arange(BLOCK * n_blocks, dtype=torch.int32)
     q_pos = torch.arange(32, dtype=torch.int32) + BLOCK * n_blocks  # every query sees every key
-    want = reference(q, k, v, dout, q_pos, k_pos, causal=False, scale=0.125)[0]
+    want = position_reference(q, k, v, dout, q_pos, k_pos, causal=False, scale=0.125)[0]
     blocks = [slice(i * BLOCK, (i + 1) * BLOCK) for i in range(n_blocks)]
     state = kern.new_state(q)
     for sl in blocks:
@@ -50,16 +50,17 @@ def merge_errors(n_blocks: int, seed: int) -> tuple[float, float]:
     for sl in blocks:
         one = kern.new_state(q)
         kern.forward_step(q, k[:, :, sl], v[:, :, sl], one, q_pos, k_pos[sl].contiguous(), causal=False, scale=0.125)
-        o, l = kern.finalize(one, torch.bfloat16)
+        o, o_lse = kern.finalize(one, torch.bfloat16)
         if out is None:
-            out, lse = o, l
+            out, lse = o, o_lse
             continue
         acc = out.float()
-        merge_(acc, lse, o, l)
+        merge_(acc, lse, o, o_lse)
         out = acc.to(torch.bfloat16)
-    return relerr(fused, want), relerr(out, want)
+    return rel(fused, want), rel(out, want)
 
 
+@pytest.mark.slow
 def test_in_kernel_merge_error_does_not_grow_with_ring_size():
     errs = {n: merge_errors(n, seed=n) for n in (2, 4, 8)}
     report = ", ".join(f"N={n}: in-kernel {a:.3g}, out-of-kernel bf16 {b:.3g}" for n, (a, b) in errs.items())
@@ -82,6 +83,7 @@ def visible_tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, tile: int) -> tuple[
     return live, -(-lq // tile) * -(-lk // tile)
 
 
+@pytest.mark.slow
 def test_tile_skipping_counts_only_visible_tiles():
     n, s = 4, 256  # c = 64: 4 x 4 tiles per step
     kern = TritonKernel(T16)
@@ -89,7 +91,7 @@ def test_tile_skipping_counts_only_visible_tiles():
     for rank, src in product(range(n), repeat=2):
         q_pos = rank_positions(s, n, rank, "zigzag").to(torch.int32)
         k_pos = rank_positions(s, n, src, "zigzag").to(torch.int32)
-        q, k, v, dout = inputs(1, 1, 1, s // n, s // n, 16, seed=rank * n + src)
+        q, k, v, dout = attention_inputs(1, 1, 1, s // n, s // n, 16, dtype=torch.float32, seed=rank * n + src)
         fwd_count, dq_count = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
         state = kern.new_state(q)
         kern.forward_step(q, k, v, state, q_pos, k_pos, causal=True, scale=0.25, counter=fwd_count)
@@ -119,9 +121,10 @@ def _ring_cases() -> list[dict]:
 def _rank_ring(cases: list[dict], dtype_name: str) -> list[tuple]:
     dtype = getattr(torch, dtype_name)
     rotate = lambda i: "p2p" if i % 2 == 0 else "allgather"  # noqa: E731
-    return [_ring_fwd_bwd(*make_inputs(c), c, rotate(i), dtype) for i, c in enumerate(cases)]
+    return [ring_fwd_bwd(*make_inputs(c), c, rotate(i), dtype) for i, c in enumerate(cases)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_ring_with_triton_kernel_matches_sdpa(ranks, dtype_name):
     cases, dtype = _ring_cases(), getattr(torch, dtype_name)
@@ -131,7 +134,7 @@ def test_ring_with_triton_kernel_matches_sdpa(ranks, dtype_name):
         ref64, single = sdpa_reference(cfg, dtype)
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             got = assemble([res[i][j] for res in per_rank], cfg["s"], cfg["lb"])
-            err, serr = relerr(got, ref64[j]), relerr(single[j], ref64[j])
+            err, serr = rel(got, ref64[j]), rel(single[j], ref64[j])
             bound = 1e-5 if dtype == torch.float32 else 2 * serr
             if not err <= bound:
                 failures.append(f"{cfg['name']} {name}: {err:.3g} > {bound:.3g}")
@@ -168,10 +171,10 @@ def test_ring_padding_matches_aten(ranks, causal):
         real = rank_positions(s, 2, r, "zigzag") < valid
         for j, name in enumerate(("out", "lse", "dq")):
             t, a = res["triton"][j][:, :, real], res["aten"][j][:, :, real]
-            assert relerr(t, a) <= 1e-5, f"rank {r} {name}: {relerr(t, a):.3g}"
+            assert rel(t, a) <= 1e-5, f"rank {r} {name}: {rel(t, a):.3g}"
         for j, name in ((3, "dk"), (4, "dv")):  # padded keys get no gradient
             t, a = res["triton"][j], res["aten"][j]
-            assert relerr(t[:, :, real], a[:, :, real]) <= 1e-5, f"rank {r} {name}"
+            assert rel(t[:, :, real], a[:, :, real]) <= 1e-5, f"rank {r} {name}"
             assert torch.equal(t[:, :, ~real], torch.zeros_like(t[:, :, ~real]))
 
 
@@ -182,13 +185,11 @@ def test_large_logits_merge_without_lse_rounding(ranks):
     rounded to fp32 (ulp 6e-5 at 1e3), which costs it 2-3e-5 on the output
     (test_ring_numerics.py). The Triton state keeps the running max and the sum apart
     across steps, so the output is as accurate as single-process fp32 SDPA's."""
-    from test_ring_exact import sdpa_fwd_bwd
-    from test_ring_numerics import _large_logits_rank_fn, large_logit_inputs
 
     cases = [dict(kind=kind, lb=lb, causal=causal, kernel="triton", seed=300 + i)
              for i, (kind, lb, causal) in enumerate((("shifted", "zigzag", True), ("shifted", "striped", False),
                                                      ("saturated", "zigzag", True)))]
-    per_rank = ranks.run(2, _large_logits_rank_fn, cases, timeout=300)
+    per_rank = ranks.run(2, large_logits_rank_fn, cases, timeout=300)
     report, failures = [], []
     for i, case in enumerate(cases):
         q, k, v, dout, scale = large_logit_inputs(case["kind"], case["seed"])
@@ -196,7 +197,7 @@ def test_large_logits_merge_without_lse_rounding(ranks):
         single = sdpa_fwd_bwd(q, k, v, dout, case["causal"], torch.float32, scale=scale)
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             got = assemble([res[i][j] for res in per_rank], q.shape[2], case["lb"])
-            err, serr = relerr(got, ref[j]), relerr(single[j], ref[j])
+            err, serr = rel(got, ref[j]), rel(single[j], ref[j])
             report.append(f"{case['kind']}-{case['lb']} {name}: triton {err:.3g}, single fp32 SDPA {serr:.3g}")
             if not (torch.isfinite(got).all() and err <= max(2 * serr, 1e-6)):
                 failures.append(report[-1])
@@ -208,7 +209,6 @@ def test_large_logits_merge_without_lse_rounding(ranks):
 
 
 def _llama_through_backend_with_triton() -> tuple:
-    from test_backend import _compare
 
     calls = {"fwd": 0, "bwd": 0}
     fwd, bwd = TritonKernel.forward_step, TritonKernel.backward_step
@@ -221,11 +221,12 @@ def _llama_through_backend_with_triton() -> tuple:
 
     TritonKernel.forward_step, TritonKernel.backward_step = count("fwd", fwd), count("bwd", bwd)
     try:
-        return (*_compare("llama_factory", {}, {"kernel": "triton"}), calls)
+        return (*example_through_ring_cp("llama_factory", {}, {"kernel": "triton"}), calls)
     finally:
         TritonKernel.forward_step, TritonKernel.backward_step = fwd, bwd
 
 
+@pytest.mark.slow
 def test_ring_cp_backend_with_triton_kernel_matches_single_device(ranks):
     """The example Llama compiled with backend ring_cp, kernel="triton" (aot_eager, 2 ranks):
     loss and every parameter gradient equal the single-process run (fp32 <= 1e-5)."""

@@ -59,6 +59,7 @@ def _problems(member, r: dict) -> list:
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world", CASES)
 def test_zoo_member_is_exact_ring_only_and_sharded(ranks, name, world):
     per_rank = ranks.run(world, measure, name, timeout=300)
@@ -72,6 +73,7 @@ def _target(member) -> str:
     return f"{module.__file__}:{member.factory.__name__}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ZOO))
 def test_cli_explain_on_the_member_file_prints_the_record(name, capsys):
     """The member's file given as a TARGET imports as a module of the zoo package (its relative

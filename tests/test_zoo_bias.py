@@ -47,6 +47,7 @@ IDS = ["-".join(str(v) if not isinstance(v, bool) else ("causal" if v else "full
        for d in VARIANTS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_alibi_becomes_a_score_rule_without_mask_rows(variant: dict) -> None:
     model, args = alibi.factory(S, **variant)
@@ -64,6 +65,7 @@ def test_alibi_becomes_a_score_rule_without_mask_rows(variant: dict) -> None:
         assert all(s[1] in (1, 4) and s[0] == 1 for s in shapes), shapes  # (1, H|1, S|1, S|1)
 
 
+@pytest.mark.slow
 def test_causality_stays_the_flag_where_the_mask_is_too_long_to_evaluate() -> None:
     """At S = 4096 the (H, S, S) bias and the (S, S) causal term are too large to evaluate at compile
     time: ``~(kv > q)`` is read from positions (a band), the bias lifted from its O(S) leaves."""
@@ -73,6 +75,7 @@ def test_causality_stays_the_flag_where_the_mask_is_too_long_to_evaluate() -> No
     assert all(s[-2:].count(4096) <= 1 for s in _buffer_shapes(ring, "score_buffers"))
 
 
+@pytest.mark.slow
 def test_prefix_mask_becomes_a_mask_rule() -> None:
     model, args = prefix_lm.factory(S)
     rings = _rings(model, args, world=4)
@@ -160,6 +163,7 @@ def _errors(variant: dict) -> tuple:
     return rel(loss.detach(), loss_ref.detach()), grad, ring_mismatches(backend, count.calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_alibi_variants_are_exact(ranks, world: int) -> None:
     variants = [VARIANTS[1], VARIANTS[3]] if world == 2 else [VARIANTS[2]]

@@ -43,6 +43,7 @@ def _local(node) -> tuple:
     return tuple(node.meta["val"].shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("factory,prefix,patch", [(vit_registers.factory, 5, 27), (video_vit.factory, 0, 96)],
                          ids=["vit_conv2d", "video_conv3d"])
@@ -76,13 +77,15 @@ def test_overlapping_convolution_is_left_as_written() -> None:
     assert len(_calls(gm, "conv2d")) == 1
 
 
+@pytest.mark.slow
 def test_decoder_layer_cross_attention_is_named_with_the_fix(caplog) -> None:
     model, args = nn_decoder_only.decoder_layer_factory()
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
         explain_model(model, args, world_size=2)
     (msg,) = [r.getMessage() for r in caplog.records if "TransformerDecoderLayer" in r.getMessage()]
     for part in ("cross-attention of nn.TransformerDecoderLayer model.layer", "multihead_attn", "memory",
-                 "cannot be made context-parallel", "nn_decoder_only.py:", "nn.TransformerEncoderLayer with a causal mask",
+                 "cannot be made context-parallel", "nn_decoder_only.py:",
+                 "nn.TransformerEncoderLayer with a causal mask",
                  "generate_square_subsequent_mask"):
         assert part in msg, (part, msg)
     with pytest.raises(CPRewriteError, match="TransformerDecoderLayer model.layer.*strict=True"):
@@ -115,6 +118,7 @@ def _eval_exact(name: str) -> dict:
             "fallbacks": [f for r in backend.records for f in r.fallbacks]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,fastpath", [("nn_encoder", False), ("nn_decoder_only", True)])
 def test_eval_mode_is_exact(ranks, name, fastpath) -> None:
     """Sequence-first layers take the Python path in eval too; the batch-first causal GPT's
@@ -144,6 +148,7 @@ def _inductor_vit() -> dict:
             "rings": ring_mismatches(backend, count.calls)}
 
 
+@pytest.mark.inductor
 def test_rank_dependent_graphs_keep_one_collective_order_under_inductor(ranks) -> None:
     """Where the sequence arises in the graph each rank's graph has its own shapes (rank 0 takes
     the cls and register rows, rank 1 none): Inductor's comm reordering, which follows data

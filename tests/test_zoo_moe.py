@@ -43,6 +43,7 @@ def _local_shape(gm, name: str) -> tuple:
     return tuple(node.args[0].meta["val"].shape)
 
 
+@pytest.mark.slow
 def test_hand_mixtral_routes_this_ranks_tokens_without_a_gather():
     """torch.where on the (E, k, B·c) mask, the rows gathered by top_x, index_add_ into (B·c, D)."""
     model, args = mixtral.factory()
@@ -57,6 +58,7 @@ def test_hand_mixtral_routes_this_ranks_tokens_without_a_gather():
     assert adds and all(tuple(n.args[0].meta["val"].shape) == (rows, mixtral.DIM) for n in adds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
 def test_hf_mixtral_experts_stay_on_this_ranks_rows(experts):
     """grouped_mm: sort of the B·c·k expert ids, grouped matmul, inverse permutation; batched_mm:
@@ -132,6 +134,7 @@ def _aux_on_rank(which: str, dynamo: dict, fullgraph: bool, seq_len: int = SEQ_L
             "rings": ring_mismatches(backend, attentions)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which,world,seq_len", [("hand", 4, SEQ_LEN), ("hf", 2, SEQ_LEN - 2)])
 def test_aux_loss_is_the_one_process_aux_loss(ranks, which, world, seq_len):
     """Both means over the flattened tokens are global: sum over ranks / the global count (the
@@ -142,6 +145,7 @@ def test_aux_loss_is_the_one_process_aux_loss(ranks, which, world, seq_len):
         assert r["fallbacks"] == [] and r["value"] > 0.5  # E·Σ f·P is ~1 for a near-uniform router
 
 
+@pytest.mark.slow
 def test_graph_breaks_at_nonzero_are_exact(ranks):
     """With fullgraph=False every torch.where breaks the graph (nonzero's size is data-dependent): the pieces
     hand whole values across the breaks, and the loss and gradients stay the one-process ones."""
@@ -182,7 +186,8 @@ class _DeepSeekMoE(torch.nn.Module):
     def __init__(self, write: str, dim: int = 16, experts: int = 4, k: int = 2) -> None:
         super().__init__()
         self.write, self.k = write, k
-        self.emb, self.qkv, self.head = torch.nn.Embedding(101, dim), torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, 101)
+        self.emb, self.qkv = torch.nn.Embedding(101, dim), torch.nn.Linear(dim, 3 * dim)
+        self.head = torch.nn.Linear(dim, 101)
         self.gate = torch.nn.Linear(dim, experts, bias=False)
         self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
 

@@ -16,6 +16,7 @@ from zoo.measure import measure
 from cp_compile.tools.explain import explain_model
 
 
+@pytest.mark.slow
 def test_a_rope_cache_read_at_position_ids_is_sharded_where_the_ids_are():
     model, kwargs = position_ids.factory()
     report = explain_model(model, (), world_size=4, example_kwargs=kwargs)
@@ -51,6 +52,7 @@ def test_indexing_a_sharded_value_with_tensors_is_gathered_and_named():
     assert "x[:, self.perm]" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,seq", [(4, 50)])
 def test_position_ids_member_with_padding_is_exact(ranks, world, seq):
     """50 tokens on 4 ranks: padding rows read the clamped last id, and count nowhere."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import models
-from checks import grad_errors, loss_through_ring_cp, rel
+from checks import grad_errors, loss_through_ring_cp, rel, twin_models
 from zoo import nanogpt
 
 from cp_compile.tools.explain import explain_model
@@ -38,6 +38,7 @@ def _sliced(gm) -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [1, 2])
 def test_shifted_loss_has_no_slice_of_the_logits_and_no_gather(shift):
     model, inputs = nanogpt.factory(shift=shift)
@@ -49,6 +50,7 @@ def test_shifted_loss_has_no_slice_of_the_logits_and_no_gather(shift):
     assert report.ctx.record.sharded_fraction > 0.9
 
 
+@pytest.mark.slow
 def test_targets_read_from_the_token_ids_slice_the_whole_input():
     """targets = idx (one tensor passed twice: one sharded graph input): idx[:, 1:] is a slice of
     the whole input every rank was passed, not of its shard."""
@@ -89,6 +91,7 @@ def _tokens(seq: int = 24):
     return ids, labels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["strided", "none"])
 def test_what_is_not_a_shift_keeps_the_gather_and_names_the_line(form, caplog):
     with caplog.at_level(logging.WARNING, logger="cp_compile"):
@@ -101,16 +104,14 @@ def test_what_is_not_a_shift_keeps_the_gather_and_names_the_line(form, caplog):
 
 def _exact(form: str, seq: int):
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref_model = _Shifted(form)
-    cp_model = _Shifted(form)
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(lambda: _Shifted(form))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, _tokens(seq))
     grads = max(grad_errors(cp_model, ref_model).values())
     gathers = sum(_calls(gm, "gather_seq") for gm in backend.graphs)
     return rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,form,seq", [(2, "smoothed", 24), (4, "log_softmax", 26), (4, "smoothed", 21)])
 def test_shifted_losses_are_exact_without_a_gather(ranks, world, form, seq):
     """Shift by 3 with label smoothing; by 1 behind a cast, a log_softmax and a transpose into an
@@ -139,9 +140,7 @@ class _NextFrame(nn.Module):
 
 def _exact_next_frame(loss: str, seq: int):
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref_model, cp_model = _NextFrame(loss), _NextFrame(loss)
-    cp_model.load_state_dict(ref_model.state_dict())
+    ref_model, cp_model = twin_models(lambda: _NextFrame(loss))
     frames = torch.randn(2, seq, 12, generator=torch.Generator().manual_seed(5))
     ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (frames,))
     grads = max(grad_errors(cp_model, ref_model).values())
@@ -149,6 +148,7 @@ def _exact_next_frame(loss: str, seq: int):
     return rel(out.detach(), ref.detach()), grads, len(backend.fallbacks), gathers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,loss,seq", [(2, "mse", 24), (4, "l1", 26)])
 def test_next_frame_regression_losses_are_exact_without_a_gather(ranks, world, loss, seq):
     """mse on pred[:, :-1] against frames[:, 1:] (the sequence input, read whole), l1 the other way
@@ -159,6 +159,7 @@ def test_next_frame_regression_losses_are_exact_without_a_gather(ranks, world, l
         assert fallbacks == 0 and gathers == 0
 
 
+@pytest.mark.slow
 def test_under_a_symbolic_length_the_shift_is_rewritten_too():
     """Dynamic shapes: the bounds [:, :-1] / [:, 1:] mean the same at every length; the target's
     length S - 1 is computed in the graph from the logits' symbolic size."""

@@ -7,7 +7,7 @@ training loss (a scalar, or an object with ``.loss`` such as a Hugging Face outp
 module-level ``MEMBER = Member(...)`` (or ``MEMBERS = [...]``) describing it. The model
 code is plain PyTorch in the style of a widely used codebase; nothing in it knows about
 context parallelism. :func:`members` imports every module here and returns the registry;
-``tests/test_zoo.py``, ``examples/zoo_sweep.py`` and the README's zoo table read it.
+``tests/test_zoo.py``, ``examples/zoo_sweep.py`` and the zoo table of docs/zoo.md read it.
 
 Sizes are chosen so that a tensor spanning the sequence twice is recognisable by shape
 (:mod:`.measure`): the default sequence is 80 tokens (c = 40 rows a rank on 2 ranks, 20
@@ -31,7 +31,7 @@ class Member:
     """One zoo model and what its checks expect (``tests/test_zoo.py``)."""
 
     name: str  # registry key, e.g. "alibi"
-    summary: str  # one line for the README: the style and what it exercises
+    summary: str  # one line for docs/zoo.md's table: the style and what it exercises
     factory: Callable[..., Tuple[Any, ...]]  # factory(seq_len=SEQ_LEN, seed=0) -> (model, args | kwargs)
     worlds: Tuple[int, ...] = (2,)  # CP sizes the test suite runs; the sweep runs 2 and 4 for all
     mixes_tokens: Tuple[str, ...] = ()  # ops outside attention that really mix tokens: the fallbacks
