@@ -99,13 +99,14 @@ def test_rule_row(name: str) -> None:
 
 def test_rows_cover_every_rule_module() -> None:
     """Every module of the rules package that holds rules has a row here (attention and the
-    losses are covered by every model test, FlexAttention by tests/test_flex_attention.py, the
+    losses (losses.py) are covered by every model test, FlexAttention by tests/test_flex_attention.py, the
     data-dependent selections of MoE routing by tests/test_zoo_moe.py, fresh buffers (new_empty,
     copy_) by tests/test_mla.py, custom autograd functions below, torch.vmap's batch dims by
     tests/test_dead_code.py; the table itself has no rule of its own)."""
     modules = {fn.__module__.rsplit(".", 1)[1] for fn in RULES.values()}
     covered: Tuple[str, ...] = tuple(row[1] for row in ROWS.values())
-    assert modules - set(covered) <= {"attention", "flex", "routing", "fill", "autograd_fn", "vmap"}, modules - set(covered)
+    assert modules - set(covered) <= {"attention", "losses", "flex", "routing", "fill", "autograd_fn",
+                                            "vmap"}, modules - set(covered)
 
 
 class _TanhGelu(torch.autograd.Function):
