@@ -30,6 +30,7 @@ MATMUL = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__
 EINSUM = {torch.einsum, torch.functional.einsum}
 BADDBMM = {torch.baddbmm, "baddbmm"}
 SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax", torch.special.softmax}
+LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, "log_softmax"}
 CASTS = {"to", "type_as", "float", "half", "bfloat16", "double", "type", "contiguous", "clone"}
 VIEWS = {"view", "reshape", "flatten", "unflatten", torch.reshape, torch.flatten, torch.unflatten}
 MUL = {operator.mul, torch.mul, "mul", operator.imul}
@@ -63,6 +64,7 @@ FLATTENS = {"flatten", torch.flatten}
 SQUEEZES = {"squeeze", "unsqueeze", torch.squeeze, torch.unsqueeze}
 PERMUTES = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "t", torch.transpose, torch.permute,
             torch.movedim}
+VALUE_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "contiguous", "clone"}  # methods: same values
 SHAPE_VIEWS = RESHAPES | FLATTENS | SQUEEZES | {"contiguous", "expand", "expand_as"}  # keep the values' order
 SPLITS = {"chunk", "split", "unbind", "repeat_interleave", torch.chunk, torch.split, torch.unbind}
 JOINS = {torch.cat, torch.concat, torch.stack}
@@ -132,7 +134,7 @@ def arguments(node: fx.Node, names: Sequence[str] = ()) -> Dict[str, Any]:
 def _normalized(node: fx.Node) -> Optional[Dict[str, Any]]:
     if node.op == "call_method":
         fn = getattr(torch, node.target, None)  # x.sum(1) is torch.sum(x, 1)
-        calls = [node.args, (node.args[0], tuple(node.args[1:]))] if len(node.args) > 1 else [node.args]
+        calls = [node.args, (node.args[0], tuple(node.args[1:]))] if node.args[1:] else [node.args]
     elif node.op == "call_function":
         fn, calls = node.target, [node.args]
     else:
@@ -158,9 +160,12 @@ def _bind(fn: Any, args: tuple, kwargs: Dict[str, Any]) -> Optional[Dict[str, An
     if pair is not None:
         return dict(pair.kwargs)
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError):  # no Python signature (builtins), or arguments it does not take
         return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+        return None  # (*args, **kwargs): names nothing (higher-order ops, wrappers)
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -176,13 +181,6 @@ def _kind(a: Any) -> Any:
                                                                   torch.Tensor) for v in val):
         return list
     return type(val) if not isinstance(val, torch.Tensor) else torch.Tensor
-
-
-def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """Argument ``name`` of ``node`` (parameter ``index`` when its signature is unknown), else ``default``."""
-    found = arguments(node, ("",) * index + (name,))
-    value = found.get(name, default)
-    return default if value is None else value
 
 
 def same(a: Any, b: Any) -> bool:

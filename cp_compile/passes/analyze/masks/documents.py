@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from ...context import CPRewriteError, fake_value, global_shape, source_line
 from ...propagate.placements import Sharded
-from ...op_vocab import SDPA_TARGETS
+from ...op_vocab import SDPA_TARGETS, arguments
 from .index import INDEX_HANDLERS, Affine, Unrecognised, basic_index
 
 _EQ = {operator.eq, torch.eq, "eq"}
@@ -160,6 +160,22 @@ def doc_term(node: Any, ev: Callable[[Any], Any], seq_len: int) -> Optional[Doc]
     return Doc(ids, node)
 
 
+def _doc_eq_pair(node: fx.Node, ev, seq_len: int) -> Optional[tuple]:
+    """``_doc_eq`` of ``a == b`` itself: the same X read at the query and at the key positions."""
+    a, b = (_lookup(x, ev, seq_len, c) for x, c in zip(node.args[:2], (_POS_A, _POS_B)))
+    if a is None or b is None or a[0] is not b[0]:
+        return None
+    da, db = _dims(a[1]), _dims(b[1])
+    if da.get(_BATCH) != db.get(_BATCH):
+        return None
+    terms, sizes = dict(a[1].terms), dict(a[1].sizes)
+    terms.update(b[1].terms)
+    sizes.update(b[1].sizes)
+    if len(set(terms)) != len(a[1].terms) + len(b[1].terms) - (_BATCH in da):  # q and kv on one dim
+        return None
+    return a[0], Affine(tuple(sorted(terms.items())), 0, tuple(sorted(sizes.items())))
+
+
 def _doc_eq(node: Any, ev, seq_len: int) -> Optional[tuple]:
     """(X, encoding of the two position dims and the batch dim) of an equality term, through views."""
     if not isinstance(node, fx.Node):
@@ -168,18 +184,7 @@ def _doc_eq(node: Any, ev, seq_len: int) -> Optional[tuple]:
     if not isinstance(val, torch.Tensor) or val.dtype is not torch.bool:
         return None
     if _target(node) in _EQ and node.op != "call_module":
-        a, b = (_lookup(x, ev, seq_len, c) for x, c in zip(node.args[:2], (_POS_A, _POS_B)))
-        if a is None or b is None or a[0] is not b[0]:
-            return None
-        da, db = _dims(a[1]), _dims(b[1])
-        if da.get(_BATCH) != db.get(_BATCH):
-            return None
-        terms, sizes = dict(a[1].terms), dict(a[1].sizes)
-        terms.update(b[1].terms)
-        sizes.update(b[1].sizes)
-        if len(set(terms)) != len(a[1].terms) + len(b[1].terms) - (_BATCH in da):  # q and kv on one dim
-            return None
-        return a[0], Affine(tuple(sorted(terms.items())), 0, tuple(sorted(sizes.items())))
+        return _doc_eq_pair(node, ev, seq_len)
     if node.op == "call_method" and node.target in _KEEP_MASK:
         return _doc_eq(node.args[0], ev, seq_len)
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
@@ -203,7 +208,7 @@ def steps_source(ids: fx.Node) -> Optional[fx.Node]:
         node = node.args[0]
     if _target(node) not in (torch.cumsum, "cumsum"):
         return None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dim = arguments(node, ("input", "dim")).get("dim")
     flags = node.args[0]
     if dim not in (-1, len(global_shape(node)) - 1) or not isinstance(flags, fx.Node):
         return None
@@ -214,7 +219,7 @@ def steps_source(ids: fx.Node) -> Optional[fx.Node]:
     diff = flags.args[0]
     if not isinstance(diff, fx.Node) or _target(diff) not in (torch.diff, "diff"):
         return None
-    d_dim = diff.kwargs.get("dim", diff.args[2] if len(diff.args) > 2 else -1)
+    d_dim = arguments(diff, ("input", "n", "dim")).get("dim", -1)
     if d_dim != -1 or diff.kwargs.get("append") is not None or global_shape(diff) != global_shape(diff.args[0]):
         return None
     return base(diff.args[0])
@@ -268,7 +273,7 @@ def _reads_as_mask(user: fx.Node, node: fx.Node) -> bool:
     """Whether ``user`` is an attention that reads ``node`` only as its attn_mask."""
     if user.op != "call_function" or user.target not in SDPA_TARGETS:
         return False
-    mask = user.args[3] if len(user.args) > 3 else user.kwargs.get("attn_mask")
+    mask = arguments(user).get("attn_mask")
     qkv = list(user.args[:3]) + [user.kwargs.get(k) for k in ("query", "key", "value")]
     return mask is node and node not in qkv
 

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from ...context import fake_value
+from ...op_vocab import arguments
 from .classify import _AND_TARGETS  # the conjunctions classify splits: only those gain from this
 
 
@@ -62,7 +63,7 @@ def _insertions(node: fx.Node) -> Optional[List[int]]:
         return None
     out_rank = fake_value(node).dim()
     if node.op == "call_method" and node.target == "unsqueeze" or node.target is torch.unsqueeze:
-        d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        d = arguments(node, ("input", "dim")).get("dim")
         return [d - out_rank if d >= 0 else d] if isinstance(d, int) else None
     if node.target is not operator.getitem:
         return None

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...context import CPRewriteError, global_shape, log, source_line
-from ...op_vocab import SDPA_TARGETS, arguments
+from ...op_vocab import RESHAPES, SDPA_TARGETS, arguments
 from ..placements import GLOBAL, Sharded
 from ...analyze.masks.documents import doc_ids_value, whole
 from ...analyze.masks.lift import ring_mods
@@ -30,7 +30,7 @@ def _kv_source(em, old: fx.Node):
     if old.target == "repeat_interleave":
         dim = arguments(old).get("dim")
         return old.args[0] if dim in (1, -3) else None
-    if old.target not in ("reshape", "view"):
+    if old.target not in RESHAPES:
         return None
     exp = old.args[0]
     if not (isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand"):
