@@ -57,6 +57,8 @@ ROWS: dict = {
                          operator.getitem, (2, C, D // 2)),
     "mean_over_sequence": (lambda m, x: x + x.mean(1, keepdim=True), "reductions", "mean", (2, 1, D)),  # Global
     "einsum": (lambda m, x: torch.einsum("bsd,de->bse", x, m.w), "einsum", torch.einsum, (2, C, D)),
+    "local_response_norm": (lambda m, x: F.local_response_norm(x.transpose(1, 2), 3).transpose(1, 2), "pointwise",
+                            F.local_response_norm, (2, D, C)),
     "complex_views": (lambda m, x: torch.view_as_real(torch.view_as_complex(x.view(2, S, D // 2, 2))).view(2, S, D),
                       "complex", torch.view_as_complex, (2, C, D // 2)),
 }
@@ -235,6 +237,7 @@ _SAMPLES: dict = {  # rule key -> (args, kwargs); ("input", name) marks a placeh
     torch._C._nn.scaled_dot_product_attention: ((_p("q"), _p("q"), _p("q")), {"is_causal": True}),
     **{k: ((_p("logits"), _p("labels")), {}) for k in (F.cross_entropy, F.nll_loss)},
     **{k: ((_p("x"), _p("x")), {}) for k in (F.mse_loss, F.l1_loss)},
+    F.local_response_norm: ((_p("q"), 3), {}),  # over the 2 heads (channels) at each position
     torch.view_as_complex: ((_p("cplx"),), {}),
     torch.view_as_real: ((_p("z"),), {}),
     torch.einsum: (("bsd,de->bse", _p("x"), _p("w")), {}),
@@ -315,6 +318,7 @@ _UNDECIDED = {  # ops the oracle gives no verdict for, and why (the rule's verdi
     "size": "it returns sizes, not a tensor",
     "histc": _MIXES, "cross_entropy": _MIXES, "nll_loss": _MIXES, "mse_loss": _MIXES, "l1_loss": _MIXES,
     "scaled_dot_product_attention": "attention reads every position's keys (the rule makes it the ring)",
+    "local_response_norm": "its ATen decomposition (avg_pool3d over the channels) has no DTensor strategy",
     "nonzero": _SELECTS, "argwhere": _SELECTS, "sort": _SELECTS, "argsort": _SELECTS,
 }
 
@@ -370,3 +374,17 @@ def test_a_second_rule_for_one_op_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="two layout rules"):
         register_rule(torch.tanh)(lambda em, node: None)
     assert RULES[torch.tanh].__name__ == "pointwise"
+
+
+def test_local_response_norm_on_this_ranks_positions_is_the_one_process_value() -> None:
+    """rules/pointwise.py's local_response_norm: the rewrite runs it on this rank's positions (no gather),
+    and each position's value is the one-process value of that position (a window over channels only)."""
+    report = _rewrite(ROWS["local_response_norm"][0])
+    assert report.ctx.fallbacks == [], report.ctx.fallbacks
+    from cp_compile.sequence import rank_positions
+
+    x = torch.randn(2, D, S)
+    whole = F.local_response_norm(x, 3)
+    for rank in range(2):
+        pos = rank_positions(S, 2, rank, "zigzag")  # this rank's positions (explain_model's default layout)
+        torch.testing.assert_close(F.local_response_norm(x[..., pos], 3), whole[..., pos], rtol=0, atol=0)

@@ -13,6 +13,7 @@ from typing import Any, Dict
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ...context import global_shape
 from ...op_vocab import EMBEDDING, NORMS, PER_TOKEN, POINTWISE, SOFTMAXES, arguments
@@ -64,6 +65,19 @@ def _trailing_feature_dims(node: fx.Node) -> int:
     if t in EMBEDDING:
         return 0
     return 1  # linear: the last dim is contracted
+
+
+@register_rule(F.local_response_norm)
+def local_response_norm(em: Emitter, node: fx.Node):
+    """``F.local_response_norm(x (N, C, *), size)`` (AlexNet / GoogLeNet's LRN): each position normalised
+    over a window of the channels (dim 1) at that position, so per token unless the tokens are the channels.
+
+        x (B, C, S/N) Sharded(2) -> local_response_norm(x, size) (B, C, S/N) Sharded(2)
+    """
+    s = _sharded(em, arguments(node)["input"])
+    if s is None or s.dim == 1 or any(_sharded(em, a) for a in _flat_args(node)[1:]):
+        return em.fallback(node, "local_response_norm across the channels that hold the sequence")
+    return em.copy(node, *em.value((node.args, node.kwargs))), s
 
 
 @register_rule(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")
