@@ -79,6 +79,13 @@ SCATTERS = {"scatter_add_", "scatter_add", torch.scatter_add, "scatter_", "scatt
 # losses: a class index per token (cross entropy), or a term per element
 CLASS_LOSSES = (F.cross_entropy, F.nll_loss)
 ELEMENTWISE_LOSSES = (F.mse_loss, F.l1_loss)
+MASK_KEEPING = {"expand", "to", "contiguous", "bool"}  # methods that keep a boolean mask's meaning (dims right-aligned)
+IDS_KEEPING = {"to", "contiguous", "long", "int"}  # methods that keep integer ids' values
+EQ = {operator.eq, torch.eq, "eq"}
+# ops that keep each row of a loss's input a function of that row alone, and arithmetic with a scalar
+ROW_KEEPING = {"contiguous", "float", "double", "half", "bfloat16", "to", "type", "type_as", "clone", "detach", "tanh",
+               "neg", torch.tanh, torch.neg, operator.neg}
+SCALAR_ARITHMETIC = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div}
 # ops whose output row i depends only on row i of each (broadcast) operand, for boolean masks too
 MASK_ELEMENTWISE = {
     operator.and_, operator.or_, operator.xor, operator.invert, operator.eq, operator.ne, operator.lt, operator.le,

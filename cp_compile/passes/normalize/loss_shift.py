@@ -41,15 +41,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..context import RewriteContext, fake_value, global_shape, log, source_line
-from ..op_vocab import CLASS_LOSSES, ELEMENTWISE_LOSSES, FLATTENS, LOG_SOFTMAX, RESHAPES, SOFTMAX, arguments
+from ..op_vocab import (CLASS_LOSSES, ELEMENTWISE_LOSSES, FLATTENS, LOG_SOFTMAX, RESHAPES, ROW_KEEPING,
+                        SCALAR_ARITHMETIC, SOFTMAX, arguments)
 from ..propagate.emitter import erase_unused
 from .fake_emit import FakeEmitter
 from ..propagate.placements import Sharded, view_placement
 
-_ROW_METHODS = {"contiguous", "float", "double", "half", "bfloat16", "to", "type", "type_as", "clone", "detach",
-                "tanh", "neg"}
-_ROW_FUNCS = {torch.tanh, torch.neg, operator.neg}
-_SCALAR_FUNCS = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div}
 _SOFTMAX = SOFTMAX | LOG_SOFTMAX
 
 
@@ -109,9 +106,9 @@ def _step(node: fx.Node, seq: Sharded, length: int) -> Optional[Tuple[Sharded, t
     and the op's new arguments on the whole sequence; None for any other op."""
     key = node.target
     rest = node.args[1:]
-    if node.op == "call_method" and key in _ROW_METHODS or node.op == "call_function" and key in _ROW_FUNCS:
+    if node.op in ("call_method", "call_function") and key in ROW_KEEPING:
         return seq, rest
-    if node.op == "call_function" and key in _SCALAR_FUNCS:
+    if node.op == "call_function" and key in SCALAR_ARITHMETIC:
         ok = len(node.args) == 2 and isinstance(node.args[1], (int, float)) and not node.kwargs
         return (seq, rest) if ok else None
     if key in _SOFTMAX:

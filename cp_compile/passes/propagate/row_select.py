@@ -48,7 +48,6 @@ from ..op_vocab import CATS, FLATTENS, RESHAPES, arguments
 from .emitter import mutates
 from .oracle import rows_from_inputs
 
-_CATS = CATS
 
 
 def select_rows(em: Any, origin: fx.Node, dim: int) -> fx.Node:
@@ -147,7 +146,7 @@ def _reshape_source(node: fx.Node) -> Optional[fx.Node]:
 
 def _cat_pieces(node: fx.Node, dim: int) -> Optional[List[fx.Node]]:
     """The tensor pieces of ``torch.cat(pieces, dim)`` along ``dim``, else None."""
-    if node.op != "call_function" or node.target not in _CATS:
+    if node.op != "call_function" or node.target not in CATS:
         return None
     a = arguments(node, ("tensors", "dim"))
     tensors, cat_dim = a.get("tensors"), a.get("dim", 0)

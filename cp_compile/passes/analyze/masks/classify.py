@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 
 from ...context import fake_value, global_shape, log, source_line
+from ...op_vocab import MASK_KEEPING
 from ..graph_inputs import user_name
 from .buffers import constant_band
 from .documents import Doc, doc_term, read_inputs_whole, steps_source
@@ -115,7 +116,8 @@ def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
         log.info("cp_compile: attention at %s: mask %s = %s%s%s%s", source_line(sdpa), mask.name,
                  "causal" if kind.causal else "full", f" (window {kind.window})" if kind.window > 0 else "",
                  f", documents {doc_ids.name}" if doc_ids is not None else "",
-                 "".join(f", {what} rule {r.term.name}" for what, rs in (("mask", rules), ("score", scores)) for r in rs))
+                 "".join(f", {what} rule {r.term.name}"
+                         for what, rs in (("mask", rules), ("score", scores)) for r in rs))
     return MaskKind(kind.causal, kind.window, explicit, doc_ids, rules, tuple(scores))
 
 
@@ -201,7 +203,7 @@ def _band_kind(band: Band, seq_len: int) -> Optional[MaskKind]:
     return None
 
 
-_TRANSPARENT = ("expand", "to", "contiguous", "bool")  # methods that keep a boolean mask's meaning
+_TRANSPARENT = MASK_KEEPING  # methods that keep a boolean mask's meaning
 
 
 def _split(node: Any, memo: Dict[fx.Node, Abstract], seq_len: int) -> Tuple[Band, List[fx.Node]]:

@@ -38,12 +38,10 @@ import torch.fx as fx
 
 from ...context import CPRewriteError, fake_value, global_shape, source_line
 from ...propagate.placements import Sharded
-from ...op_vocab import SDPA_TARGETS, arguments
+from ...op_vocab import EQ, IDS_KEEPING, MASK_KEEPING, SDPA_TARGETS, arguments
 from .index import INDEX_HANDLERS, Affine, Unrecognised, basic_index
 
-_EQ = {operator.eq, torch.eq, "eq"}
-_KEEP_IDS = ("to", "contiguous", "long", "int")  # methods that keep integer ids' values
-_KEEP_MASK = ("to", "contiguous", "bool", "expand")  # methods that keep a boolean mask (dims right-aligned)
+_EQ, _KEEP_IDS, _KEEP_MASK = EQ, IDS_KEEPING, MASK_KEEPING
 Q_DIM, KV_DIM, BATCH_DIM = -2, -1, -4  # of the (B, H, S, S) mask attention broadcasts a term to
 
 
