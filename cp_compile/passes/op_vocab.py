@@ -32,7 +32,6 @@ BADDBMM = {torch.baddbmm, "baddbmm"}
 SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax", torch.special.softmax}
 LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, "log_softmax"}
 CASTS = {"to", "type_as", "float", "half", "bfloat16", "double", "type", "contiguous", "clone"}
-VIEWS = {"view", "reshape", "flatten", "unflatten", torch.reshape, torch.flatten, torch.unflatten}
 MUL = {operator.mul, torch.mul, "mul", operator.imul}
 DIV = {operator.truediv, torch.div, torch.true_divide, "div", "true_divide", operator.itruediv}
 ADD = {operator.add, torch.add, "add", operator.iadd}
@@ -62,6 +61,7 @@ PER_TOKEN = LINEAR | NORMS | SOFTMAXES | EMBEDDING
 RESHAPES = {"view", "reshape", torch.reshape}
 FLATTENS = {"flatten", torch.flatten}
 SQUEEZES = {"squeeze", "unsqueeze", torch.squeeze, torch.unsqueeze}
+VIEWS = RESHAPES | FLATTENS | {"unflatten", torch.unflatten}  # row-major regroupings (the attention matcher's)
 PERMUTES = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "t", torch.transpose, torch.permute,
             torch.movedim}
 VALUE_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "contiguous", "clone"}  # methods: same values
