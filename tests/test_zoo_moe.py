@@ -194,9 +194,10 @@ class _DeepSeekMoE(torch.nn.Module):
         y = torch.zeros(x.shape[0], x.shape[1]) if self.write == "index_add_whole" else torch.zeros_like(x)
         for i, expert in enumerate(self.experts):
             idx, top = torch.where(indices == i)
-            rows = expert(x[idx]) * weights[idx, top, None]  # (n_i, D)
+            rows = expert(x[idx])  # (n_i, D)
             if self.write == "rms_norm":  # a per-row op on the selected rows (routing_rows.py)
-                rows = F.rms_norm(rows, (shape[-1],))
+                rows = F.rms_norm(rows, (shape[-1],))  # before the router weights, which it would cancel
+            rows = rows * weights[idx, top, None]
             if self.write in ("setitem_add", "rms_norm"):
                 y[idx] += rows
             elif self.write == "index_put":

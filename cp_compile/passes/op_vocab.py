@@ -26,6 +26,7 @@ from .analyze.score_fn import scaled_dot_product_attention_with_scores
 # attention the ring replaces: SDPA, and SDPA with a function of the scores (score_fn.py: soft-capping)
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
                 scaled_dot_product_attention_with_scores}
+SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # in order
 MATMUL = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm", "__matmul__"}
 EINSUM = {torch.einsum, torch.functional.einsum}
 BADDBMM = {torch.baddbmm, "baddbmm"}

@@ -19,7 +19,7 @@ from .find_flex import drop_block_masks, is_flex, parse_flex
 from .masks.classify import classify_mask
 from .masks.views import distribute_views
 from ..propagate.emitter import erase_unused
-from ..op_vocab import SDPA_TARGETS, arguments
+from ..op_vocab import SDPA_PARAMS, SDPA_TARGETS, arguments
 
 
 
@@ -29,12 +29,9 @@ def is_sdpa(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in SDPA_TARGETS or is_flex(node))
 
 
-_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
 def qkv_args(node: fx.Node) -> tuple:
     """(query, key, value) of an SDPA node (or of flex_attention, whose first three arguments they are too)."""
-    a = arguments(node, _SDPA_PARAMS)
+    a = arguments(node, SDPA_PARAMS)
     return a["query"], a["key"], a["value"]
 
 
@@ -49,7 +46,7 @@ def _check_flex(gm: fx.GraphModule, node: fx.Node, ctx: RewriteContext) -> int:
 
 def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
     where = source_line(node)
-    dropout = arguments(node, _SDPA_PARAMS).get("dropout_p", 0.0)
+    dropout = arguments(node, SDPA_PARAMS).get("dropout_p", 0.0)
     if isinstance(dropout, fx.Node):  # dynamic=True with specialize_float=False: a float attribute is an input
         raise CPRewriteError(
             f"cp_compile: scaled_dot_product_attention at {where} takes dropout_p as a graph input "
@@ -82,7 +79,7 @@ def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
 
 def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
     """Record what the attn_mask of ``node`` means for the ring op (masks.py)."""
-    a = arguments(node, _SDPA_PARAMS)
+    a = arguments(node, SDPA_PARAMS)
     mask = a.get("attn_mask")
     if mask is None:
         return

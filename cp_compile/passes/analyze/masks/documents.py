@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from ...context import CPRewriteError, fake_value, global_shape, source_line
 from ...propagate.placements import Sharded
-from ...op_vocab import EQ, IDS_KEEPING, MASK_KEEPING, SDPA_TARGETS, arguments
+from ...op_vocab import EQ, IDS_KEEPING, MASK_KEEPING, SDPA_PARAMS, SDPA_TARGETS, arguments
 from .index import INDEX_HANDLERS, Affine, Unrecognised, basic_index
 
 _EQ, _KEEP_IDS, _KEEP_MASK = EQ, IDS_KEEPING, MASK_KEEPING
@@ -271,7 +271,7 @@ def _reads_as_mask(user: fx.Node, node: fx.Node) -> bool:
     """Whether ``user`` is an attention that reads ``node`` only as its attn_mask."""
     if user.op != "call_function" or user.target not in SDPA_TARGETS:
         return False
-    mask = arguments(user).get("attn_mask")
+    mask = arguments(user, SDPA_PARAMS).get("attn_mask")
     qkv = list(user.args[:3]) + [user.kwargs.get(k) for k in ("query", "key", "value")]
     return mask is node and node not in qkv
 

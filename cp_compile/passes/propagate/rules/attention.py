@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...context import CPRewriteError, global_shape, log, source_line
-from ...op_vocab import RESHAPES, SDPA_TARGETS, arguments
+from ...op_vocab import RESHAPES, SDPA_PARAMS, SDPA_TARGETS, arguments
 from ..placements import GLOBAL, Sharded
 from ...analyze.masks.documents import doc_ids_value, whole
 from ...analyze.masks.lift import ring_mods
@@ -28,7 +28,7 @@ def _kv_source(em, old: fx.Node):
     if old.op != "call_method":
         return None
     if old.target == "repeat_interleave":
-        dim = arguments(old).get("dim")
+        dim = arguments(old, ("input", "repeats", "dim")).get("dim")
         return old.args[0] if dim in (1, -3) else None
     if old.target not in RESHAPES:
         return None
@@ -73,7 +73,7 @@ def _as_seq_sharded(em, old: fx.Node, node: fx.Node) -> Any:
 @register_rule(*SDPA_TARGETS)
 def sdpa(em, node: fx.Node):
     """scaled_dot_product_attention -> the ring op on this rank's rows of q, k, v."""
-    a = arguments(node)
+    a = arguments(node, SDPA_PARAMS)
     q, k, v = a["query"], _unrepeated_kv(em, a["key"]), _unrepeated_kv(em, a["value"])
     # A mask is split into causal / window flags, document ids and explicit terms (passes/masks/);
     # the ring op gets the flags, the whole ids (masks/documents.py) and this rank's rows of the terms

@@ -27,7 +27,7 @@ from .registry import register_rule
 @register_rule(torch.view_as_complex, torch.view_as_real)
 def complex_view(em, node: fx.Node):
     """``torch.view_as_complex(x)`` / ``torch.view_as_real(x)`` on a Sharded x: same dim."""
-    x = arguments(node)["input"]
+    x = arguments(node, ("input",))["input"]
     s = em.layout(x)
     if not isinstance(s, Sharded):
         return em.fallback(node, f"{node.target.__name__} of a value sharded in an unknown way")

@@ -57,7 +57,7 @@ def _trailing_feature_dims(node: fx.Node) -> int:
     """How many trailing dims of the first argument the op reduces over (they must not hold the tokens)."""
     t, nd = node.target, _ndim(node.args[0])
     if t in NORMS:
-        shape = arguments(node)["normalized_shape"]
+        shape = arguments(node, ("input", "normalized_shape"))["normalized_shape"]
         return len(shape) if isinstance(shape, (list, tuple)) else 1
     if t in SOFTMAXES:
         dim = arguments(node, ("input", "dim")).get("dim")
@@ -74,7 +74,7 @@ def local_response_norm(em: Emitter, node: fx.Node):
 
         x (B, C, S/N) Sharded(2) -> local_response_norm(x, size) (B, C, S/N) Sharded(2)
     """
-    s = _sharded(em, arguments(node)["input"])
+    s = _sharded(em, arguments(node, ("input",))["input"])
     if s is None or s.dim == 1 or any(_sharded(em, a) for a in _flat_args(node)[1:]):
         return em.fallback(node, "local_response_norm across the channels that hold the sequence")
     return em.copy(node, *em.value((node.args, node.kwargs))), s

@@ -69,7 +69,7 @@ def _across_rows(em: Emitter, node: fx.Node) -> bool:
     if key in (torch.matmul, operator.matmul):
         return not isinstance(lay, Local) or lay.dim >= nd - 1 or isinstance(em.layout(node.args[1]), Local)
     if key in NORMS:  # layer_norm, rms_norm: over the trailing normalized_shape
-        shape = arguments(node)["normalized_shape"]
+        shape = arguments(node, ("input", "normalized_shape"))["normalized_shape"]
         shape = shape if isinstance(shape, (list, tuple)) else (shape,)
         return not isinstance(lay, Local) or lay.dim >= nd - len(shape)
     return False

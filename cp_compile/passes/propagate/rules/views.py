@@ -90,7 +90,8 @@ def along_dim(em: Emitter, node: fx.Node):
     """chunk / split / unbind / repeat_interleave: fine unless along the sequence dim."""
     x, s = node.args[0], _sharded(em, node.args[0])
     nd, name = _ndim(x), _name(node)
-    a = arguments(node)
+    second = {"unbind": "dim", "repeat_interleave": "repeats"}.get(name, "sections")  # by position if unnamed
+    a = arguments(node, ("input", second, "dim"))
     dim, repeats = a.get("dim", 0 if name in ("chunk", "split", "unbind") else None), a.get("repeats")
     if name == "repeat_interleave" and dim is not None and _norm(dim, nd) == s.dim and type(repeats) is int:
         # each token row repeated r times in place: row t·r + j, i.e. the token dim with inner·r
@@ -114,7 +115,7 @@ def concat(em: Emitter, node: fx.Node):
     so ``cat([empty (0,), k (B, H, S, D)], -2) -> k`` stays Sharded.
     """
     tensors = [t for t in node.args[0] if not _is_empty(t)] if node.target is not torch.stack else list(node.args[0])
-    dim = arguments(node).get("dim", 0)
+    dim = arguments(node, ("tensors", "dim")).get("dim", 0)
     if len(tensors) == 1 and _sharded(em, tensors[0]):  # cat promotes dtypes over the empties too
         out, dtype = em.env[tensors[0]], node.meta["example_value"].dtype
         same = tensors[0].meta["example_value"].dtype == dtype
