@@ -177,11 +177,13 @@ _INPUTS: dict = {
     "bias": (lambda: torch.randn(D), None),
     "table": (lambda: torch.randn(S, D), None),
 }
+
+
 class _p(str):
     """A sample argument naming a placeholder of _INPUTS."""
 
 
-_SAMPLES: dict = {  # rule key -> (args, kwargs); ("input", name) marks a placeholder
+_SAMPLES: dict = {  # rule key -> (args, kwargs); _p(name) is the placeholder of that name
     **{k: ((_p("x"), _p("x")), {}) for k in (operator.add, operator.sub, operator.mul, operator.truediv,
                                             operator.floordiv, torch.add, torch.sub, torch.mul, torch.div,
                                             torch.maximum, torch.minimum, torch.polar)},
