@@ -198,8 +198,11 @@ class _DeepSeekMoE(torch.nn.Module):
         y = torch.zeros(x.shape[0], x.shape[1]) if self.write == "index_add_whole" else torch.zeros_like(x)
         for i, expert in enumerate(self.experts):
             idx, top = torch.where(indices == i)
-            rows = expert(x[idx]) * weights[idx, top, None]  # (n_i, D)
-            if self.write == "setitem_add":
+            rows = expert(x[idx])  # (n_i, D)
+            if self.write == "rms_norm":  # a per-row op on the selected rows (routing_rows.py)
+                rows = F.rms_norm(rows, (shape[-1],))  # before the router weights, which it would cancel
+            rows = rows * weights[idx, top, None]
+            if self.write in ("setitem_add", "rms_norm"):
                 y[idx] += rows
             elif self.write == "index_put":
                 y.index_put_((idx,), rows, accumulate=True)
@@ -216,7 +219,7 @@ class _DeepSeekMoE(torch.nn.Module):
         return F.cross_entropy(self.head(h + self.moe(h)).flatten(0, 1), labels.flatten())
 
 
-WRITES = ("setitem_add", "index_put", "scatter_add", "index_add_whole")
+WRITES = ("setitem_add", "index_put", "scatter_add", "index_add_whole", "rms_norm")
 
 
 def _writes_on_rank(writes) -> list:
@@ -242,8 +245,19 @@ def _writes_on_rank(writes) -> list:
 def test_rows_written_back_by_setitem_index_put_or_scatter_add_stay_on_this_rank(ranks):
     """``y[idx] += rows``, ``index_put_(accumulate=True)`` and ``scatter_add_`` with the indices expanded
     over the features write this rank's rows like ``index_add_``; into a ``y`` built whole (``torch.zeros``
-    of the global size), later readers of ``y`` read the rows written here. Exact against one
-    process, no gather."""
+    of the global size), later readers of ``y`` read the rows written here; rows normalised by
+    ``F.rms_norm`` first (per row, like layer_norm). Exact against one process, no gather."""
     for per_rank in ranks.run(2, _writes_on_rank, WRITES, timeout=300):
         for r in per_rank:
             assert r["loss"] <= 1e-6 and r["grad"] <= 1e-5 and r["fallbacks"] == [] and not r["rings"], r
+
+
+def test_rms_norm_of_selected_rows_stays_on_this_rank():
+    """``F.rms_norm`` of rows selected by data is per row, as layer_norm is: the selection's rows
+    normalised on this rank (it was missing from routing_rows' per-row ops, and refused)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 101, (BATCH, SEQ_LEN))
+    report = _explain(_DeepSeekMoE("rms_norm"), (ids, torch.roll(ids, -1, 1)))
+    assert report.ctx.fallbacks == [] and "gather_seq" not in _targets(report.after)
+    norms = [n for n in report.after.graph.nodes if n.target in (F.rms_norm, torch.rms_norm)]
+    assert norms and all(n.meta["val"].shape[-1] == 16 for n in norms)

@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from .find_flex import is_flex, parse_flex
 from .masks.classify import classify_mask
-from ..op_vocab import SDPA_TARGETS
+from ..op_vocab import SDPA_PARAMS, SDPA_TARGETS, arguments
 
 
 
@@ -29,16 +29,10 @@ def is_sdpa(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in SDPA_TARGETS or is_flex(node))
 
 
-def sdpa_arg(node: fx.Node, index: int, name: str, default=None):
-    """SDPA argument by position or keyword (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def qkv_args(node: fx.Node) -> tuple:
-    """(query, key, value) of an SDPA node."""
-    return tuple(sdpa_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    """(query, key, value) of an SDPA node (or of flex_attention, whose first three arguments they are too)."""
+    a = arguments(node, SDPA_PARAMS)
+    return a["query"], a["key"], a["value"]
 
 
 def _check_flex(gm: fx.GraphModule, node: fx.Node, ctx: RewriteContext) -> int:
@@ -52,7 +46,7 @@ def _check_flex(gm: fx.GraphModule, node: fx.Node, ctx: RewriteContext) -> int:
 
 def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
     where = source_line(node)
-    dropout = sdpa_arg(node, 4, "dropout_p", 0.0)
+    dropout = arguments(node, SDPA_PARAMS).get("dropout_p", 0.0)
     if isinstance(dropout, fx.Node):  # dynamic=True with specialize_float=False: a float attribute is an input
         raise CPRewriteError(
             f"cp_compile: scaled_dot_product_attention at {where} takes dropout_p as a graph input "
@@ -67,7 +61,7 @@ def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
             "Fix: set attention dropout to 0 (or model.eval())."
         )
     shapes = [global_shape(x) for x in qkv_args(node)]
-    seq = sdpa_arg(node, 0, "query").meta["example_value"].shape[2]
+    seq = qkv_args(node)[0].meta["example_value"].shape[2]
     if isinstance(seq, torch.SymInt):
         ctx.seq_sym = seq
     if any(s is None or len(s) != 4 for s in shapes):
@@ -85,10 +79,11 @@ def _check_supported(node: fx.Node, ctx: RewriteContext) -> int:
 
 def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
     """Record what the attn_mask of ``node`` means for the ring op (masks.py)."""
-    mask = sdpa_arg(node, 3, "attn_mask")
+    a = arguments(node, SDPA_PARAMS)
+    mask = a.get("attn_mask")
     if mask is None:
         return
-    if not isinstance(mask, fx.Node) or sdpa_arg(node, 5, "is_causal", False):
+    if not isinstance(mask, fx.Node) or a.get("is_causal", False):
         raise CPRewriteError(
             f"cp_compile: scaled_dot_product_attention at {source_line(node)} takes an attn_mask together with "
             "is_causal=True (or a mask that is not a tensor). Fix: fold causality into the mask, or pass "

@@ -32,7 +32,7 @@ from ..normalize.attention_match import einsum_parts, is_softmax, match_attentio
 from ..context import CPRewriteError, RewriteContext, fake_value, log, source_line
 from ..node_facts import facts
 from .graph_inputs import is_parameter_like
-from ..op_vocab import BADDBMM, EINSUM, MATMUL, SDPA_TARGETS, arg, is_, tensor
+from ..op_vocab import BADDBMM, EINSUM, MATMUL, SDPA_TARGETS, arguments, is_, tensor
 
 OPAQUE_ATTENTION = ("multi_head_attention_forward",)
 REGIONS = {"cond": "torch.cond", "while_loop": "torch.while_loop", "map_impl": "torch.map",
@@ -80,7 +80,8 @@ def _kept_pair(node: fx.Node) -> Optional[tuple]:
     if is_(node, MATMUL) and len(node.args) == 2:
         a, b = node.args
     elif is_(node, BADDBMM):
-        a, b = arg(node, 1, "batch1"), arg(node, 2, "batch2")
+        found = arguments(node, ("input", "batch1", "batch2"))
+        a, b = found["batch1"], found["batch2"]
     elif is_(node, EINSUM):
         return _einsum_pair(node)
     else:
@@ -125,9 +126,9 @@ def _products(node: fx.Node, length: Any) -> List[fx.Node]:
 
 def _reduced_length(node: fx.Node) -> Any:
     """The length of the dim a softmax / logsumexp reduces, or None."""
-    x = arg(node, 0, "input")
+    found = arguments(node, ("input", "dim"))
+    x, dim = found["input"], found.get("dim")
     val = tensor(x)
-    dim = arg(node, 1, "dim")
     if val is None or val.dim() < 2:
         return None
     dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim

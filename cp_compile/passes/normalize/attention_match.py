@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from ..op_vocab import (ADD, BADDBMM, CASTS, DIV, DROPOUT, EINSUM, MASKED_FILL, MATMUL, MUL, SOFTMAX, SUB, VIEWS,
-                       WHERE, arg, is_, same, tensor)
+                       WHERE, arguments, is_, same, tensor)
 
 LEARNED_BIAS = ("its bias requires grad (learned, or computed from activations); the ring op applies biases "
                 "of positions only")
@@ -93,11 +93,12 @@ def is_softmax(node: Any) -> bool:
 
 def match_attention(softmax: fx.Node) -> Tuple[Optional[Match], str]:
     """The attention around ``softmax``, or (None, why not; "" when it is not attention at all)."""
-    scores = arg(softmax, 0, "input")
+    a = arguments(softmax, ("input", "dim"))
+    scores = a["input"]
     sv = tensor(scores)
     if sv is None or sv.dim() < 2 or not same(sv.shape[-1], sv.shape[-2]):
         return None, ""
-    dim = arg(softmax, 1, "dim")
+    dim = a.get("dim")
     if not isinstance(dim, int) or dim % sv.dim() != sv.dim() - 1:
         return None, ""
     m, why = _forward(softmax)
@@ -123,9 +124,9 @@ def _forward(softmax: fx.Node) -> Tuple[Optional[Match], str]:
                           if len(node.users) > 1 else "")
         if (is_(user, CASTS) or _regroups(user)) and user.args[0] is node:
             node = user
-        elif is_(user, DROPOUT) and arg(user, 0, "input") is node:
-            p = arg(user, 1, "p", 0.5)
-            training = arg(user, 2, "train" if user.target is torch.dropout else "training", True)
+        elif is_(user, DROPOUT) and arguments(user, ("input",))["input"] is node:
+            a = arguments(user, ("input", "p", "training"))
+            p, training = a.get("p", 0.5), a.get("train" if user.target is torch.dropout else "training", True)
             if not (isinstance(p, (int, float)) and (p == 0 or training is False)):
                 return None, f"attention dropout p={p} is active (set it to 0 or call model.eval())"
             node = user
@@ -253,7 +254,8 @@ class _Walk:
 
     def _keep(self, node: fx.Node) -> Tuple[Optional[fx.Node], Optional[str]]:
         if is_(node, MASKED_FILL):
-            x, mask, fill = (arg(node, i, n) for i, n in enumerate(("input", "mask", "value")))
+            a = arguments(node, ("input", "mask", "value"))
+            x, mask, fill = a["input"], a["mask"], a["value"]
             keep = False
         elif len(node.args) == 3:
             mask, a, b = node.args
@@ -311,7 +313,8 @@ def _product_qk(m: Match, node: fx.Node, mult: float) -> Any:
         m.q, m.k, m.scale = _as_is(q), _transposed(kt), mult
         return True
     if is_(node, BADDBMM):
-        bias, q, kt = (arg(node, i, n) for i, n in enumerate(("input", "batch1", "batch2")))
+        a = arguments(node, ("input", "batch1", "batch2"))
+        bias, q, kt = a["input"], a["batch1"], a["batch2"]
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         if not all(isinstance(x, (int, float)) for x in (beta, alpha)) or tensor(bias) is None:
             return "its baddbmm's beta or alpha is not a number"

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..context import CPRewriteError, RewriteContext, fake_value, source_line
+from ..op_vocab import arguments
 from ..propagate.emitter import erase_unused
 from .expand_mha import weights_used
 from .fake_emit import FakeEmitter, finish_expansion
@@ -78,7 +79,7 @@ def expand_fastpath(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SCHEMAS:
             continue
-        a = _bind(node)
+        a = _fastpath_args(node)
         why = _refusal(node, a)
         if why is not None:
             raise CPRewriteError(f"cp_compile: {_WHAT[node.target]} at {source_line(node)} cannot become ring "
@@ -93,12 +94,11 @@ def expand_fastpath(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     return finish_expansion(gm, count, "eval-mode fast-path attention op(s)")
 
 
-def _bind(node: fx.Node) -> Dict[str, Any]:
+def _fastpath_args(node: fx.Node) -> Dict[str, Any]:
     """The node's arguments by their ATen schema names, defaults filled in."""
     schema = _SCHEMAS[node.target]
     a = {arg.name: arg.default_value if arg.has_default_value() else None for arg in schema.arguments}
-    a.update(zip((arg.name for arg in schema.arguments), node.args))
-    a.update(node.kwargs)
+    a.update(arguments(node, [arg.name for arg in schema.arguments]))
     a["heads"] = a.get("num_heads", a.get("num_head"))  # the two ops spell it differently
     a["x"] = a.get("src", a.get("query"))
     return a
@@ -207,10 +207,10 @@ def _causal_fill(mask: fx.Node, seq: Any) -> Optional[float]:
     if not (mask.op == "call_function" and mask.target is torch.triu):
         return None
     full = mask.args[0]
-    diagonal = mask.args[1] if len(mask.args) > 1 else mask.kwargs.get("diagonal", 0)
+    diagonal = arguments(mask, ("input", "diagonal")).get("diagonal", 0)
     if diagonal != 1 or not (isinstance(full, fx.Node) and full.op == "call_function" and full.target is torch.full):
         return None
-    fill = full.args[1] if len(full.args) > 1 else full.kwargs.get("fill_value")
+    fill = arguments(full, ("size", "fill_value")).get("fill_value")
     rows, cols = fake_value(mask).shape
     square = statically_known_true(rows == seq) and statically_known_true(cols == seq)
     return fill if square and isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill != 0 else None

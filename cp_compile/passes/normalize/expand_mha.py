@@ -40,7 +40,6 @@ attention. The eval-mode fast paths (``torch._transformer_encoder_layer_fwd``,
 
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Any, Dict, Optional, Set, Tuple
 
@@ -49,10 +48,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..context import CPRewriteError, RewriteContext, fake_value, log, source_line
+from ..op_vocab import arguments
 from .fake_emit import FakeEmitter, finish_expansion
 
 MHA = F.multi_head_attention_forward
-_PARAMS = inspect.signature(MHA)
 _warned: Set[str] = set()
 
 
@@ -62,7 +61,7 @@ def expand_mha(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not MHA:
             continue
-        a = _bind(node)
+        a = arguments(node)
         why = _refusal(node, a)
         if why is not None:
             _refuse(node, why, ctx)
@@ -70,13 +69,6 @@ def expand_mha(gm: fx.GraphModule, ctx: RewriteContext) -> int:
         _expand(gm.graph, node, a)
         count += 1
     return finish_expansion(gm, count, "multi_head_attention_forward call(s)")
-
-
-def _bind(node: fx.Node) -> Dict[str, Any]:
-    """The node's arguments by name, defaults filled in (torch's own signature)."""
-    bound = _PARAMS.bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def weights_used(node: fx.Node) -> bool:

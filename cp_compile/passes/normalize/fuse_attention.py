@@ -50,7 +50,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .attention_match import Match, Operand, Term, is_softmax, match_attention
-from ..op_vocab import ALIASING, arg as _arg, is_ as _is, same as _same, tensor as _tensor, writes_in_place
+from ..op_vocab import ALIASING, arguments, is_ as _is, same as _same, tensor as _tensor, writes_in_place
 from ..context import RewriteContext, log, source_line
 from .fake_emit import FakeEmitter
 from ..node_facts import set_facts
@@ -93,7 +93,7 @@ def _region(node: Any, seq: Any, dead: List[fx.Node]) -> Optional[Tuple[str, int
             or (_is(node, {operator.getitem}) and _trivial_index(node.args[1])):
         return _region(node.args[0], seq, dead)
     if _is(node, {torch.triu, torch.tril, "triu", "tril"}):
-        ones, d = node.args[0], _arg(node, 1, "diagonal", 0)
+        ones, d = node.args[0], arguments(node, ("input", "diagonal")).get("diagonal", 0)
         if not isinstance(d, int) or not _is(ones, {torch.ones, "new_ones"}) or _region_of_ones(ones, seq) is None:
             return None
         dead.append(ones)

@@ -32,28 +32,22 @@ warned).
 
 from __future__ import annotations
 
-import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ..context import RewriteContext, fake_value, global_shape, log, source_line
+from ..op_vocab import (CLASS_LOSSES, ELEMENTWISE_LOSSES, FLATTENS, LOG_SOFTMAX, RESHAPES, ROW_KEEPING,
+                        SCALAR_ARITHMETIC, SOFTMAX, arguments)
 from ..propagate.emitter import erase_unused
 from .fake_emit import FakeEmitter
 from ..propagate.placements import Sharded, view_placement
 
-CLASS_LOSSES = (F.cross_entropy, F.nll_loss)
-ELEMENTWISE_LOSSES = (F.mse_loss, F.l1_loss)
-_ROW_METHODS = {"contiguous", "float", "double", "half", "bfloat16", "to", "type", "type_as", "clone", "detach",
-                "tanh", "neg"}
-_ROW_FUNCS = {torch.tanh, torch.neg, operator.neg}
-_SCALAR_FUNCS = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div}
-_SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
-_VIEWS = {"view", "reshape", torch.reshape}
+_SOFTMAX = SOFTMAX | LOG_SOFTMAX
 
 
 def move_loss_slices(gm: fx.GraphModule, ctx: RewriteContext) -> int:
@@ -66,18 +60,16 @@ def move_loss_slices(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     return count
 
 
-def _loss_args(loss: fx.Node) -> Optional[inspect.BoundArguments]:
-    try:
-        bound = inspect.signature(loss.target).bind(*loss.args, **loss.kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    a = bound.arguments
+def _movable(loss: fx.Node) -> Optional[Dict[str, Any]]:
+    """The loss's arguments by name when its reduction can move (mean or sum, no legacy arguments), else None."""
+    a = arguments(loss)
+    if "reduction" not in a:
+        return None  # arguments the loss does not take: Python would raise
     ok = a.get("size_average") is None and a.get("reduce") is None and a["reduction"] in ("mean", "sum")
     if loss.target in ELEMENTWISE_LOSSES:  # both operands tensors of one shape, no weights
         ok = ok and a.get("weight") is None and all(isinstance(a[k], fx.Node) for k in ("input", "target"))
-        return bound if ok and global_shape(a["input"]) == global_shape(a["target"]) else None
-    return bound if ok and type(a["ignore_index"]) is int and isinstance(a["target"], fx.Node) else None
+        return a if ok and global_shape(a["input"]) == global_shape(a["target"]) else None
+    return a if ok and type(a["ignore_index"]) is int and isinstance(a["target"], fx.Node) else None
 
 
 def _seq_slice(node: fx.Node, ctx: RewriteContext) -> Optional[Tuple[int, int, int]]:
@@ -104,7 +96,8 @@ def _seq_slice(node: fx.Node, ctx: RewriteContext) -> Optional[Tuple[int, int, i
 
 
 def _softmax_dim(node: fx.Node) -> Optional[int]:
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    """The dim a softmax normalises over, when it is a constant."""
+    dim = arguments(node, ("input", "dim")).get("dim")
     return dim if type(dim) is int else None
 
 
@@ -113,9 +106,9 @@ def _step(node: fx.Node, seq: Sharded, length: int) -> Optional[Tuple[Sharded, t
     and the op's new arguments on the whole sequence; None for any other op."""
     key = node.target
     rest = node.args[1:]
-    if node.op == "call_method" and key in _ROW_METHODS or node.op == "call_function" and key in _ROW_FUNCS:
+    if node.op in ("call_method", "call_function") and key in ROW_KEEPING:
         return seq, rest
-    if node.op == "call_function" and key in _SCALAR_FUNCS:
+    if node.op == "call_function" and key in SCALAR_ARITHMETIC:
         ok = len(node.args) == 2 and isinstance(node.args[1], (int, float)) and not node.kwargs
         return (seq, rest) if ok else None
     if key in _SOFTMAX:
@@ -125,9 +118,9 @@ def _step(node: fx.Node, seq: Sharded, length: int) -> Optional[Tuple[Sharded, t
     if key in ("transpose", "permute", torch.transpose, torch.permute):
         moved = _permuted(node, seq)
         return (moved, rest) if moved is not None else None
-    if key in _VIEWS or key in ("flatten", torch.flatten):
+    if key in RESHAPES or key in FLATTENS:
         new = view_placement(global_shape(node.args[0]), global_shape(node), seq, length)
-        if new is None or key in ("flatten", torch.flatten):
+        if new is None or key in FLATTENS:
             return (new, rest) if new is not None else None
         shape = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else list(rest)
         if len(shape) != len(global_shape(node)) or any(s == -1 for k, s in enumerate(shape) if k != new.dim):
@@ -201,10 +194,10 @@ def _unslice(gm: fx.GraphModule, loss: fx.Node, operand: fx.Node, ctx: RewriteCo
 
 
 def _move(gm: fx.GraphModule, loss: fx.Node, ctx: RewriteContext) -> int:
-    bound = _loss_args(loss)
-    if bound is None:
+    args = _movable(loss)
+    if args is None:
         return 0
-    args, elementwise = bound.arguments, loss.target in ELEMENTWISE_LOSSES
+    elementwise = loss.target in ELEMENTWISE_LOSSES
     for name, other in (("input", "target"), ("target", "input"))[: 2 if elementwise else 1]:
         un = _unslice(gm, loss, args[name], ctx, class_dim=not elementwise)
         if un is not None:

@@ -25,7 +25,8 @@ import torch.fx as fx
 
 from ..context import RewriteContext
 from ..fx_utils import erase_unused, fake_value
-from ..analyze.find_attention import is_sdpa, sdpa_arg
+from ..op_vocab import SDPA_PARAMS, arguments
+from ..analyze.find_attention import is_sdpa
 from ..analyze.find_flex import is_flex
 from ..analyze.masks.classify import _AND_TARGETS  # the conjunctions classify splits: only those gain from this
 
@@ -39,8 +40,9 @@ def distribute_mask_views(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     for node in list(gm.graph.nodes):
         if not is_sdpa(node) or is_flex(node):
             continue
-        mask = sdpa_arg(node, 3, "attn_mask")
-        if not isinstance(mask, fx.Node) or sdpa_arg(node, 5, "is_causal", False) or _requires_grad(mask):
+        args = arguments(node, SDPA_PARAMS)
+        mask = args.get("attn_mask")
+        if not isinstance(mask, fx.Node) or args.get("is_causal", False) or _requires_grad(mask):
             continue
         moved = distribute_views(mask, memo)  # (a & b)[:, None] -> a' & b': each term on its own
         if moved is not mask:
@@ -88,7 +90,7 @@ def _insertions(node: fx.Node) -> Optional[List[int]]:
         return None
     out_rank = fake_value(node).dim()
     if node.op == "call_method" and node.target == "unsqueeze" or node.target is torch.unsqueeze:
-        d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        d = arguments(node, ("input", "dim")).get("dim")
         return [d - out_rank if d >= 0 else d] if isinstance(d, int) else None
     if node.target is not operator.getitem:
         return None

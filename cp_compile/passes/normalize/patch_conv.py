@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from ..analyze.seq_origins import needs_origins, qkv_feeds
 from ..context import RewriteContext, log
 from ..fx_utils import fake_value, global_shape, source_line
+from ..op_vocab import FLATTENS, RESHAPES, arguments
 from .fake_emit import FakeEmitter
 
 _CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 _ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
-_RESHAPES = {"view", "reshape", "flatten"}
 
 
 def open_patch_convs(gm: fx.GraphModule, ctx: RewriteContext) -> int:
@@ -67,11 +67,11 @@ def open_patch_convs(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     return count
 
 
-def _bind(node: fx.Node) -> Optional[Dict[str, Any]]:
+def _conv_args(node: fx.Node) -> Optional[Dict[str, Any]]:
     """The convolution's arguments by name, defaults filled in; None if not a convolution."""
-    if node.op != "call_function" or node.target not in _CONVS or len(node.args) > len(_ARGS):
+    if node.op != "call_function" or node.target not in _CONVS:
         return None
-    a = dict(_DEFAULTS, **dict(zip(_ARGS, node.args)), **node.kwargs)
+    a = dict(_DEFAULTS, **arguments(node, _ARGS))
     return a if set(a) == set(_ARGS) else None
 
 
@@ -83,7 +83,7 @@ def _tuple(v: Any, n: int) -> Optional[Tuple[int, ...]]:
 def _is_patch_conv(node: fx.Node, seq_len: int) -> bool:
     """A batched, static convolution with stride == kernel, no padding, dilation 1, one group,
     whose input has no dim of size S and whose spatial sizes the kernel divides."""
-    a = _bind(node)
+    a = _conv_args(node)
     if a is None or not isinstance(a["input"], fx.Node) or not isinstance(a["weight"], fx.Node):
         return False
     n = _CONVS[node.target]
@@ -102,7 +102,7 @@ def _is_patch_conv(node: fx.Node, seq_len: int) -> bool:
 
 def _open(graph: fx.Graph, conv: fx.Node) -> None:
     """Replace ``conv`` by patchify + linear (see the module docstring)."""
-    a = _bind(conv)
+    a = _conv_args(conv)
     (B, C, *spatial), (D, _, *kernel) = global_shape(a["input"]), global_shape(a["weight"])
     grid = [s // k for s, k in zip(spatial, kernel)]
     n, K, L = len(grid), C * math.prod(kernel), math.prod(grid)
@@ -123,4 +123,4 @@ def _open(graph: fx.Graph, conv: fx.Node) -> None:
 
 def _flattens(user: fx.Node, flat: Sequence[int]) -> bool:
     """``user`` reshapes the grid to (B, D, L): it reads the flat value instead."""
-    return user.op == "call_method" and user.target in _RESHAPES and global_shape(user) == tuple(flat)
+    return user.op == "call_method" and user.target in RESHAPES | FLATTENS and global_shape(user) == tuple(flat)

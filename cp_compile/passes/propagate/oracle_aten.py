@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..context import log
+from ..op_vocab import arguments
 
 
 def hint(v: Any) -> Any:
@@ -96,8 +97,8 @@ def propagate(graph: fx.GraphModule, seq: Dict[fx.Node, int], world: int) -> Tup
             elif n.op == "call_function":
                 place[n] = _step(n, place, _mesh(world))
             elif n.op == "output":
-                return fx.node.map_aggregate(n.args[0],
-                                             lambda a: place.get(a) if isinstance(a, fx.Node) else None), None
+                out = fx.node.map_aggregate(n.args[0], lambda a: place.get(a) if isinstance(a, fx.Node) else None)
+                return out, None
     except Want as w:
         return None, (w.node, w.dim)
     except _Stop as e:
@@ -202,7 +203,7 @@ def _scan(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
     from torch.distributed.tensor import Shard
 
     pl, nd = place[n.args[0]], n.args[0].meta["val"].dim()
-    dim = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
+    dim = arguments(n, ("self", "dim"))["dim"]
     if isinstance(pl, Shard) and pl.dim != dim % max(nd, 1):
         return pl
     raise _Stop(f"{n.target} along the sequence dim")

@@ -44,10 +44,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..context import global_shape
+from ..op_vocab import CATS, FLATTENS, RESHAPES, arguments
 from .emitter import mutates
 from .oracle import rows_from_inputs
 
-_CATS = {torch.cat, torch.concat, torch.concatenate}
 
 
 def select_rows(em: Any, origin: fx.Node, dim: int) -> fx.Node:
@@ -140,17 +140,16 @@ def _merged_dims(node: fx.Node, dim: int) -> Optional[Tuple[int, ...]]:
 
 def _reshape_source(node: fx.Node) -> Optional[fx.Node]:
     """The tensor ``node`` reshapes in row-major order (``view``, ``reshape``, ``flatten``), else None."""
-    method = node.op == "call_method" and node.target in ("view", "reshape", "flatten")
-    function = node.op == "call_function" and node.target in (torch.reshape, torch.flatten)
-    return node.args[0] if (method or function) and isinstance(node.args[0], fx.Node) else None
+    reshape = node.op in ("call_method", "call_function") and node.target in RESHAPES | FLATTENS
+    return node.args[0] if reshape and isinstance(node.args[0], fx.Node) else None
 
 
 def _cat_pieces(node: fx.Node, dim: int) -> Optional[List[fx.Node]]:
     """The tensor pieces of ``torch.cat(pieces, dim)`` along ``dim``, else None."""
-    if node.op != "call_function" or node.target not in _CATS:
+    if node.op != "call_function" or node.target not in CATS:
         return None
-    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
-    cat_dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    a = arguments(node, ("tensors", "dim"))
+    tensors, cat_dim = a.get("tensors"), a.get("dim", 0)
     ndim = len(global_shape(node))
     if not isinstance(tensors, (list, tuple)) or not isinstance(cat_dim, int) or cat_dim % ndim != dim:
         return None

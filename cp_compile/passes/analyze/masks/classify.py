@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 
 from ...context import fake_value, global_shape, log, source_line
+from ...op_vocab import MASK_KEEPING
 from ..graph_inputs import user_name
 from .buffers import constant_band
 from .documents import Doc, doc_term, read_inputs_whole, steps_source
@@ -202,7 +203,7 @@ def _band_kind(band: Band, seq_len: int) -> Optional[MaskKind]:
     return None
 
 
-_TRANSPARENT = ("expand", "to", "contiguous", "bool")  # methods that keep a boolean mask's meaning
+_TRANSPARENT = MASK_KEEPING  # methods that keep a boolean mask's meaning
 
 
 def _split(node: Any, memo: Dict[fx.Node, Abstract], seq_len: int) -> Tuple[Band, List[fx.Node]]:

@@ -38,12 +38,10 @@ import torch.fx as fx
 
 from ...context import CPRewriteError, fake_value, global_shape, source_line
 from ...propagate.placements import Sharded
-from ...op_vocab import SDPA_TARGETS
+from ...op_vocab import EQ, IDS_KEEPING, MASK_KEEPING, SDPA_PARAMS, SDPA_TARGETS, arguments
 from .index import INDEX_HANDLERS, Affine, Unrecognised, basic_index
 
-_EQ = {operator.eq, torch.eq, "eq"}
-_KEEP_IDS = ("to", "contiguous", "long", "int")  # methods that keep integer ids' values
-_KEEP_MASK = ("to", "contiguous", "bool", "expand")  # methods that keep a boolean mask (dims right-aligned)
+_EQ, _KEEP_IDS, _KEEP_MASK = EQ, IDS_KEEPING, MASK_KEEPING
 Q_DIM, KV_DIM, BATCH_DIM = -2, -1, -4  # of the (B, H, S, S) mask attention broadcasts a term to
 
 
@@ -215,7 +213,7 @@ def steps_source(ids: fx.Node) -> Optional[fx.Node]:
         node = node.args[0]
     if _target(node) not in (torch.cumsum, "cumsum"):
         return None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dim = arguments(node, ("input", "dim")).get("dim")
     flags = node.args[0]
     if dim not in (-1, len(global_shape(node)) - 1) or not isinstance(flags, fx.Node):
         return None
@@ -226,7 +224,7 @@ def steps_source(ids: fx.Node) -> Optional[fx.Node]:
     diff = flags.args[0]
     if not isinstance(diff, fx.Node) or _target(diff) not in (torch.diff, "diff"):
         return None
-    d_dim = diff.kwargs.get("dim", diff.args[2] if len(diff.args) > 2 else -1)
+    d_dim = arguments(diff, ("input", "n", "dim")).get("dim", -1)
     if d_dim != -1 or diff.kwargs.get("append") is not None or global_shape(diff) != global_shape(diff.args[0]):
         return None
     return base(diff.args[0])
@@ -280,7 +278,7 @@ def _reads_as_mask(user: fx.Node, node: fx.Node) -> bool:
     """Whether ``user`` is an attention that reads ``node`` only as its attn_mask."""
     if user.op != "call_function" or user.target not in SDPA_TARGETS:
         return False
-    mask = user.args[3] if len(user.args) > 3 else user.kwargs.get("attn_mask")
+    mask = arguments(user, SDPA_PARAMS).get("attn_mask")
     qkv = list(user.args[:3]) + [user.kwargs.get(k) for k in ("query", "key", "value")]
     return mask is node and node not in qkv
 

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from ...context import global_shape
+from ...op_vocab import arguments
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def _move_dims(x: Affine, where: Dict[int, int]) -> Affine:
 def _arange(node: fx.Node, ev: Eval) -> Affine:
     """``arange(n)`` / ``arange(a, b)`` (step 1): the index of dim -1, plus a."""
     args = list(node.args)
-    if node.kwargs.get("step", 1) != 1 or len(args) > 2 or not all(type(a) is int for a in args):
+    if node.kwargs.get("step", 1) != 1 or args[2:] or not all(type(a) is int for a in args):
         raise Unrecognised(node, "an arange with a step or a symbolic bound")
     start, end = (0, args[0]) if len(args) == 1 else args
     return Affine(((-1, 1),), start, ((-1, end - start),))
@@ -161,13 +162,13 @@ def _unsqueeze(node: fx.Node, ev: Eval) -> Any:
     if not isinstance(x, Affine):
         return x
     nd_out = len(global_shape(node))
-    new = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % nd_out - nd_out
+    new = arguments(node, ("input", "dim"))["dim"] % nd_out - nd_out
     return _move_dims(x, {d: d if d > new else d - 1 for d, _ in x.sizes})
 
 
 def _diff(node: fx.Node, ev: Eval) -> Affine:
     """``diff(x, prepend=x[..., :1] - c, dim=-1)`` of ``x`` with slope c along the last dim: all c."""
-    x, dim = affine(ev(node.args[0])), node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else -1)
+    x, dim = affine(ev(node.args[0])), arguments(node, ("input", "n", "dim")).get("dim", -1)
     prepend = affine(ev(node.kwargs["prepend"])) if isinstance(node.kwargs.get("prepend"), fx.Node) else None
     if x is None or prepend is None or dim != -1 or node.kwargs.get("append") is not None:
         raise Unrecognised(node, "a diff other than of positions along the last dim with a prepended start")
@@ -180,7 +181,7 @@ def _diff(node: fx.Node, ev: Eval) -> Affine:
 
 def _cumsum(node: fx.Node, ev: Eval) -> Affine:
     """``cumsum`` along the last dim of a constant: 0 stays 0 (HF's packed-sequence ids)."""
-    x, dim = ev(node.args[0]), node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    x, dim = ev(node.args[0]), arguments(node, ("input", "dim")).get("dim")
     value = int(x.value) if isinstance(x, Flag) else x.const if isinstance(x, Affine) and not x.terms else None
     if value is None or dim not in (-1, len(global_shape(node)) - 1):
         raise Unrecognised(node, "a cumsum of varying values")

@@ -41,13 +41,14 @@ import torch
 import torch.fx as fx
 
 from ...context import fake_value, source_line
+from ...op_vocab import VALUE_VIEWS
 from ..graph_inputs import is_parameter_like
 from .rows import is_elementwise
 
 ROLES = (-4, -3, -2, -1)  # batch, head, query, key dims of the (B, H, S_q, S_kv) mask (from the right)
 Q, KV = -2, -1
 MASKING = -1e30  # an additive fill at or below this masks (HF's finfo.min, -inf)
-_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "contiguous", "clone"}
+_VIEWS = VALUE_VIEWS
 _EXPANDS = {"expand", "expand_as", "broadcast_to"}
 
 

@@ -31,20 +31,9 @@ import torch.nn.functional as F
 
 from ....ring.masking import additive_mask
 from ...context import CPRewriteError, global_shape, log, source_line
+from ...op_vocab import MASK_ELEMENTWISE
 from ...propagate.placements import Sharded
 
-# Ops whose output row i depends only on row i of each (broadcast) operand.
-_ELEMENTWISE_FUNCS = {
-    operator.and_, operator.or_, operator.xor, operator.invert, operator.eq, operator.ne, operator.lt, operator.le,
-    operator.gt, operator.ge, operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-    torch.logical_and, torch.logical_or, torch.logical_not, torch.logical_xor, torch.eq, torch.ne, torch.lt,
-    torch.le, torch.gt, torch.ge, torch.where, torch.add, torch.sub, torch.mul, torch.masked_fill,
-}
-_ELEMENTWISE_METHODS = {
-    "to", "bool", "float", "half", "bfloat16", "double", "contiguous", "__and__", "__or__", "__invert__",
-    "logical_and", "logical_or", "logical_not", "eq", "ne", "lt", "le", "gt", "ge", "masked_fill", "add", "sub",
-    "mul", "where", "type_as",
-}
 _warned = False  # the O(c·S) warning is given once per process
 
 
@@ -108,8 +97,8 @@ def is_elementwise(node: fx.Node) -> bool:
     """Whether output row i of ``node`` depends only on row i of each operand (``x == 0``, ``a & b``,
     ``m.bool()``; not ``cumsum``, ``expand``). Also used by :mod:`.buffers`."""
     if node.op == "call_method":
-        return node.target in _ELEMENTWISE_METHODS or _aten_pointwise(node.target)
-    return node.op == "call_function" and (node.target in _ELEMENTWISE_FUNCS or (
+        return node.target in MASK_ELEMENTWISE or _aten_pointwise(node.target)
+    return node.op == "call_function" and (node.target in MASK_ELEMENTWISE or (
         getattr(node.target, "__module__", "") in _TORCH_MODULES and _aten_pointwise(node.target.__name__)))
 
 

@@ -1,25 +1,23 @@
-"""Rules for attention (-> ring attention) and losses (-> exact global reductions)."""
+"""Rules for attention: scaled_dot_product_attention -> ring attention; the inputs a mask reads whole."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 from typing import Any, Dict, Tuple
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .... import graph_ops
 from ....ring.call_spec import RING_FWD, emitted_call
 from ...context import CPRewriteError, global_shape, log, source_line
 from ...node_facts import set_facts
-from ...analyze.find_attention import SDPA_TARGETS, sdpa_arg
+from ...op_vocab import RESHAPES, SDPA_PARAMS, SDPA_TARGETS, arguments
 from ..placements import GLOBAL, Sharded
 from ...analyze.masks.documents import doc_ids_value, whole
 from ...analyze.masks.lift import ring_mods
 from ...analyze.masks.rows import explicit_mask
+from .registry import register_rule
 
 
 def _kv_source(em, old: fx.Node):
@@ -31,9 +29,9 @@ def _kv_source(em, old: fx.Node):
     if old.op != "call_method":
         return None
     if old.target == "repeat_interleave":
-        dim = old.args[2] if len(old.args) > 2 else old.kwargs.get("dim")
+        dim = arguments(old, ("input", "repeats", "dim")).get("dim")
         return old.args[0] if dim in (1, -3) else None
-    if old.target not in ("reshape", "view"):
+    if old.target not in RESHAPES:
         return None
     exp = old.args[0]
     if not (isinstance(exp, fx.Node) and exp.op == "call_method" and exp.target == "expand"):
@@ -73,15 +71,16 @@ def _as_seq_sharded(em, old: fx.Node, node: fx.Node) -> Any:
     return em.to_sharded(old, 2)  # every rank holds it whole: take this rank's rows, no communication
 
 
+@register_rule(*SDPA_TARGETS)
 def sdpa(em, node: fx.Node):
-    q = sdpa_arg(node, 0, "query")
-    k = _unrepeated_kv(em, sdpa_arg(node, 1, "key"))
-    v = _unrepeated_kv(em, sdpa_arg(node, 2, "value"))
+    """scaled_dot_product_attention -> the ring op on this rank's rows of q, k, v."""
+    a = arguments(node, SDPA_PARAMS)
+    q, k, v = a["query"], _unrepeated_kv(em, a["key"]), _unrepeated_kv(em, a["value"])
     # A mask is split into causal / window flags, document ids and explicit terms (passes/masks/);
     # the ring op gets the flags, the whole ids (masks/documents.py) and this rank's rows of the terms
     # (masks/rows.py), and rewrite.py erases the mask's O(S^2) construction, now unused.
     kind = em.ctx.masks.get(node)
-    causal = kind.causal if kind is not None else bool(sdpa_arg(node, 5, "is_causal", False))
+    causal = kind.causal if kind is not None else bool(a["is_causal"])
     masks = {"window": kind.window} if kind is not None and kind.window > 0 else {}
     if kind is not None and kind.explicit:
         masks["attn_mask"] = explicit_mask(em, kind.explicit, node)
@@ -91,7 +90,7 @@ def sdpa(em, node: fx.Node):
     score_fn = getattr(em.gm, score_fn.target) if isinstance(score_fn, fx.Node) else None
     if kind is not None or score_fn is not None:  # rules of positions: mask_mod / score_mod, O(S) leaves (lift.py)
         masks.update(ring_mods(em, kind.rules if kind else (), kind.scores if kind else (), node, score_fn))
-    scale = sdpa_arg(node, 6, "scale")
+    scale = a["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(global_shape(q)[-1])
     hq, hk, hv = global_shape(q)[1], global_shape(k)[1], global_shape(v)[1]
@@ -133,6 +132,7 @@ def _equal_head_dims(em, q: fx.Node, k: fx.Node, v: fx.Node, d_qk: int, d_v: int
     return (pad(q, d_qk), pad(k, d_qk), pad(v, d_v)), (d_v if d_v < d else None)
 
 
+@register_rule(whole)
 def whole_rule(em: Any, node: fx.Node):
     """The layout rule of :func:`..masks.documents.whole` on a sharded input: the input whole, on every rank
     (a mask's ingredients, such as document ids, are computed from whole inputs)."""
@@ -147,91 +147,3 @@ def whole_rule(em: Any, node: fx.Node):
              source_line(node), src.name, em.ctx.seq_len)
     return em.to_global(src), GLOBAL
 
-
-def attention_rule() -> Dict[Any, Any]:
-    """SDPA -> the ring op; and the inputs an attention mask reads whole (:func:`..masks.documents.whole`)."""
-    return {**{t: sdpa for t in SDPA_TARGETS}, whole: whole_rule}
-
-
-def _bind(fn, node: fx.Node) -> inspect.BoundArguments:
-    bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    return bound.arguments
-
-
-def _target_dim(input_dim: int, input_nd: int) -> int:
-    """Class-index losses: input (N, C, d1, ...) pairs with target (N, d1, ...)."""
-    if input_nd == 1 or input_dim == 0:
-        return 0
-    return input_dim - 1
-
-
-def _global_sum(em, local_sum: fx.Node) -> fx.Node:
-    return em.call(graph_ops.all_reduce_sum, local_sum, em.ctx.group.name)
-
-
-def class_loss(em, node: fx.Node):
-    """cross_entropy / nll_loss: local sum over this rank's tokens, divided by the global valid count."""
-    a = _bind(node.target, node)
-    inp, tgt = a["input"], a["target"]
-    s = em.layout(inp)
-    if not isinstance(s, Sharded) or a.get("size_average") is not None or a.get("reduce") is not None:
-        return em.fallback(node, f"{node.target.__name__} with legacy or unsharded arguments")
-    td = _target_dim(s.dim, len(global_shape(inp)))
-    t_lay = em.layout(tgt)
-    if isinstance(t_lay, Sharded) and (t_lay.dim, t_lay.inner) != (td, s.inner):
-        return em.fallback(node, "loss target sharded differently from its input")
-    new_tgt = em.env[tgt] if isinstance(t_lay, Sharded) else em.to_sharded(tgt, td, s.inner)
-    kwargs = {k: em.value(v) for k, v in a.items() if k not in ("input", "target", "size_average", "reduce")}
-    reduction = kwargs.pop("reduction")
-    mask = em.valid_mask(tgt, new_tgt, td, s.inner)
-    if mask is not None:  # padding rows count as ignored targets
-        new_tgt = em.call(torch.where, mask, new_tgt, kwargs["ignore_index"])
-    local = em.call(node.target, em.env[inp], new_tgt, **kwargs, reduction="none" if reduction == "none" else "sum")
-    if reduction == "none":
-        return local, Sharded(td, s.inner)
-    if kwargs.get("weight") is not None and reduction == "mean":
-        return em.fallback(node, f"{node.target.__name__} with class weights and mean reduction")
-    dtype = global_dtype(node)
-    wide = dtype in (torch.bfloat16, torch.float16)  # the ranks' sums and the division in fp32, rounded once
-    total = _global_sum(em, em.method("float", local) if wide else local)
-    if reduction == "mean":
-        valid = em.method("sum", em.call(operator.ne, new_tgt, kwargs["ignore_index"]))
-        count = _global_sum(em, em.method("to", valid, torch.float32))
-        total = em.call(operator.truediv, total, count if wide else em.method("to", count, dtype))
-    return (em.method("to", total, dtype) if wide else total), GLOBAL
-
-
-def global_dtype(node: fx.Node) -> torch.dtype:
-    return node.meta["example_value"].dtype
-
-
-def elementwise_loss(em, node: fx.Node):
-    """mse_loss / l1_loss: per-element terms; mean divides by the global element count."""
-    a = _bind(node.target, node)
-    inp, tgt = a["input"], a["target"]
-    if a.get("size_average") is not None or a.get("reduce") is not None or a.get("weight") is not None:
-        return em.fallback(node, f"{node.target.__name__} with legacy or weight arguments")
-    s = em.layout(inp) if isinstance(em.layout(inp), Sharded) else em.layout(tgt)
-    if any(isinstance(em.layout(t), Sharded) and em.layout(t) != s for t in (inp, tgt)):
-        return em.fallback(node, "loss operands sharded differently")
-    new = [em.env[t] if isinstance(em.layout(t), Sharded) else em.to_sharded(t, s.dim, s.inner) for t in (inp, tgt)]
-    reduction = a["reduction"]
-    local = em.call(node.target, *new, reduction="none")
-    if reduction == "none":
-        return local, s
-    ref = inp if isinstance(em.layout(inp), Sharded) else tgt
-    mask = em.valid_mask(ref, local, s.dim, s.inner)
-    if mask is not None:
-        local = em.call(torch.where, mask, local, 0.0)
-    if reduction == "mean":  # / global element count = local count / c * S
-        count = em.index.op(operator.mul, em.index.op(operator.floordiv, em.method("numel", local), em.index.c()),
-                            em.index.S())
-        return _global_sum(em, em.call(operator.truediv, em.method("sum", local), count)), GLOBAL
-    local = em.method("sum", local)
-    return _global_sum(em, local), GLOBAL
-
-
-def loss_rules() -> Dict[Any, Any]:
-    return {F.cross_entropy: class_loss, F.nll_loss: class_loss, F.mse_loss: elementwise_loss,
-            F.l1_loss: elementwise_loss}

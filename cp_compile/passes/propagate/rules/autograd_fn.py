@@ -27,11 +27,13 @@ import torch.fx as fx
 from ...context import fake_value, global_shape, log
 from ..placements import Sharded
 from ..oracle_aten import hint, propagate
+from .registry import register_rule
 
 APPLY = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 _CACHE: Dict[Any, Optional[Tuple[Sharded, ...]]] = {}
 
 
+@register_rule(APPLY)
 def autograd_function(em: Any, node: fx.Node) -> Tuple[Any, Any]:
     """The op on the local shards when both bodies are per-token, else the fallback."""
     try:
@@ -118,8 +120,8 @@ def _per_token(fwd: fx.GraphModule, bwd: fx.GraphModule, operands: Sequence[Any]
         return None
     grads = list(grads) if isinstance(grads, (tuple, list)) else [grads]
     for g, d, v in zip(grads, dims, values):
-        if (isinstance(v, torch.Tensor) and d is not None and g is not None
-                and not (isinstance(g, Shard) and g.dim == d)):
+        same_rows = isinstance(g, Shard) and g.dim == d
+        if isinstance(v, torch.Tensor) and d is not None and g is not None and not same_rows:
             return None
     return tuple(Sharded(p.dim) for p in outs)
 
@@ -152,8 +154,5 @@ def _run(graph: fx.GraphModule, dims: Sequence[Optional[int]], world: int) -> Tu
     return out, vals
 
 
-def autograd_function_rules() -> Dict[Any, Any]:
-    return {APPLY: autograd_function} if APPLY is not None else {}
 
-
-__all__ = ["autograd_function", "autograd_function_rules"]
+__all__ = ["autograd_function"]

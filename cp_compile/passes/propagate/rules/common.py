@@ -1,8 +1,8 @@
-"""Helpers the layout rules share: the table key of a node, dims, and argument access."""
+"""Helpers the layout rules share: the table key of a node, dims, layouts (arguments: op_vocab.arguments)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.fx as fx
 
@@ -45,11 +45,3 @@ def _map(em: Emitter, node: fx.Node, converted: Dict[fx.Node, Any]):
 def _name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
-
-def _dims_args(node: fx.Node, n: int) -> Sequence[int]:
-    rest = node.args[1:]
-    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
-        return rest[0]
-    if rest:
-        return rest
-    return [node.kwargs[k] for k in ("dim0", "dim1", "source", "destination", "dims") if k in node.kwargs][:n]

@@ -8,25 +8,26 @@ dims, so the sequence dim keeps its index::
     after:  x (B, c, H, D/2, 2) real            -> view_as_complex -> (B, c, H, D/2) complex Sharded(1)
 
 (and the reverse for ``view_as_real``). The multiplication by a complex RoPE table and
-``torch.polar`` are ordinary pointwise ops (rules.py). Only a sequence dim that *is* the
+``torch.polar`` are ordinary pointwise ops (pointwise.py). Only a sequence dim that *is* the
 (real, imag) pair would be split; that never happens with a sequence of 3 or more tokens,
 but it is refused (gathered) rather than guessed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
-
 import torch
 import torch.fx as fx
 
 from ...context import global_shape
+from ...op_vocab import arguments
 from ..placements import Sharded
+from .registry import register_rule
 
 
+@register_rule(torch.view_as_complex, torch.view_as_real)
 def complex_view(em, node: fx.Node):
     """``torch.view_as_complex(x)`` / ``torch.view_as_real(x)`` on a Sharded x: same dim."""
-    x = node.args[0] if node.args else node.kwargs["input"]
+    x = arguments(node, ("input",))["input"]
     s = em.layout(x)
     if not isinstance(s, Sharded):
         return em.fallback(node, f"{node.target.__name__} of a value sharded in an unknown way")
@@ -34,7 +35,3 @@ def complex_view(em, node: fx.Node):
         return em.fallback(node, "view_as_complex merges the sequence dim (the trailing (real, imag) pair)")
     return em.copy(node, *em.value((node.args, node.kwargs))), s
 
-
-def complex_rules() -> Dict[Any, Any]:
-    """Table entries for rules.py."""
-    return {torch.view_as_complex: complex_view, torch.view_as_real: complex_view}

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from ...context import global_shape
 from ..placements import Sharded
+from .registry import register_rule
 
 
 def parse_equation(eq: str, ndims: Sequence[int]) -> Optional[Tuple[List[str], str]]:
@@ -69,6 +70,7 @@ def _operands(node: fx.Node) -> Tuple[str, List[Any]]:
     return eq, rest
 
 
+@register_rule(torch.einsum)
 def einsum(em, node: fx.Node):
     """``torch.einsum`` with a Sharded operand (see the module docstring)."""
     eq, ops = _operands(node)
@@ -97,7 +99,3 @@ def einsum(em, node: fx.Node):
     args = fx.node.map_aggregate(node.args, lambda a: converted.get(a, em.env[a]) if isinstance(a, fx.Node) else a)
     return em.copy(node, args, {}), Sharded(out.index(letter), inner)
 
-
-def einsum_rules() -> Dict[Any, Any]:
-    """Table entries for rules.py."""
-    return {torch.einsum: einsum}

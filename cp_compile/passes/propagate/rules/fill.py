@@ -20,6 +20,7 @@ from ..emitter import Emitter
 from ..placements import Sharded
 from ..oracle import decide
 from .common import _name
+from .registry import register_rule
 from .pointwise import pointwise
 
 FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full")
@@ -34,6 +35,7 @@ def _sizes(node: fx.Node):
     return args[:len(args) - n_fill], args[len(args) - n_fill:]
 
 
+@register_rule(*FACTORIES)
 def new_factory(em: Emitter, node: fx.Node):
     """``x.new_empty(sizes)`` with x Sharded(d) and sizes[d] the global length: made at the local length."""
     x, lay = node.args[0], em.layout(node.args[0])
@@ -46,6 +48,7 @@ def new_factory(em: Emitter, node: fx.Node):
     return em.copy(node, (em.env[x], tuple(sizes), *rest), dict(node.kwargs)), Sharded(lay.dim)
 
 
+@register_rule("copy_")
 def copy_into(em: Emitter, node: fx.Node):
     """``dst.copy_(src)`` with a Sharded destination: elementwise, this rank's rows in place."""
     if isinstance(em.layout(node.args[0]), Sharded):
@@ -57,6 +60,3 @@ def _unruled(em: Emitter, node: fx.Node):
     """Outside these rules: the path of an op with no rule (the oracle, else a gather)."""
     return decide(em, node) or em.fallback(node, f"{_name(node)} is not known to be per-token")
 
-
-def fill_rules() -> dict:
-    return {**{("method", m): new_factory for m in FACTORIES}, ("method", "copy_"): copy_into}

@@ -26,6 +26,7 @@ from ...context import CPRewriteError, global_shape, source_line
 from ...analyze.find_flex import FLEX_HOP, parse_flex
 from ..placements import Sharded
 from .attention import _as_seq_sharded, emit_ring
+from .registry import register_rule
 
 LOG2E = 1.0 / math.log(2.0)  # flex's op gives lse in log2 units (flex multiplies by ln 2 after it)
 
@@ -82,6 +83,7 @@ def _drop_subgraph_reads(em, node: fx.Node) -> None:
             em.graph.erase_node(new)
 
 
+@register_rule(FLEX_HOP)
 def flex(em, node: fx.Node) -> Tuple[Any, Any]:
     """ring_attention_fwd in place of one flex_attention node; its layouts per output item."""
     from ....ring.mods import register_mods
@@ -104,8 +106,5 @@ def flex(em, node: fx.Node) -> Tuple[Any, Any]:
     return em.call(flex_outputs, ring, spec.lse_log2), (Sharded(2), Sharded(2), None)
 
 
-def flex_rules() -> Dict[Any, Any]:
-    return {FLEX_HOP: flex} if FLEX_HOP is not None else {}
 
-
-__all__: List[str] = ["call_subgraph", "flex", "flex_outputs", "flex_rules"]
+__all__: List[str] = ["call_subgraph", "flex", "flex_outputs"]

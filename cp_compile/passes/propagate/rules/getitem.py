@@ -1,4 +1,4 @@
-"""Layout rule for basic indexing ``x[idx]`` of a Sharded value (one row of the table in :mod:`.rules`).
+"""Layout rule for basic indexing ``x[idx]`` of a Sharded value (docs/design.md §6).
 
     x (B, S/N, D) Sharded(1)  x[..., :D//2]   -> (B, S/N, D//2) Sharded(1)      (other dims: any basic index)
     x (B, S/N, D) Sharded(1)  x[:, 0:]        -> Sharded(1)                      (a slice covering all of S)
@@ -29,8 +29,10 @@ import torch.fx as fx
 
 from ...context import fake_value, global_shape
 from ..placements import GLOBAL, Sharded
+from .registry import register_rule
 
 
+@register_rule(operator.getitem)
 def getitem(em: Any, node: fx.Node):
     """``x[idx]`` with basic indexing: Sharded unless the sequence dim is sliced to less than all of it."""
     x, index = node.args

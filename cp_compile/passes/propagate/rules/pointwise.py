@@ -1,4 +1,4 @@
-"""Layout rules for pointwise (broadcasting) ops, per-token ops and matmuls (rows of the table in :mod:`.table`).
+"""Layout rules for pointwise (broadcasting) ops, per-token ops and matmuls (docs/design.md §6).
 
     x (B, S/N, D) Sharded(1) + pos (1, S, D) Global    -> pos indexed by this rank's positions -> Sharded(1)
     linear / layer_norm / embedding / softmax(-1) of Sharded(1)   -> Sharded(1)
@@ -16,25 +16,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...context import global_shape
+from ...op_vocab import EMBEDDING, NORMS, PER_TOKEN, POINTWISE, SOFTMAXES, arguments
 from ..emitter import Emitter
 from ..placements import Sharded
 from .common import _flat_args, _map, _name, _ndim, _norm, _sharded
+from .registry import register_rule
 
-POINTWISE_FUNCS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.floordiv,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt, torch.exp,
-    torch.log, torch.tanh, torch.sigmoid, torch.sin, torch.cos, torch.abs, torch.where, torch.clamp,
-    torch.maximum, torch.minimum, torch.masked_fill, F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, F.softplus,
-    F.dropout, torch.square, torch.polar,
-}
-POINTWISE_METHODS = {
-    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "sin", "cos",
-    "abs", "float", "half", "bfloat16", "double", "to", "type_as", "clone", "detach", "masked_fill", "clamp",
-    "__add__", "__mul__", "__sub__", "__truediv__", "__radd__", "__rmul__", "square",
-}
-
-
+@register_rule(*(POINTWISE - {torch.where}))  # torch.where: the selection form too (routing.py)
 def pointwise(em: Emitter, node: fx.Node):
+    """Elementwise on broadcast operands: the sharded dim aligned; whole operands with size S there indexed."""
     out_nd = _ndim(node)
     tensors = [a for a in _flat_args(node) if isinstance(a, fx.Node) and global_shape(a) is not None]
     targets = {(s.dim + out_nd - _ndim(a), s.inner) for a in tensors if (s := _sharded(em, a))}
@@ -52,6 +42,7 @@ def pointwise(em: Emitter, node: fx.Node):
     return em.copy(node, args, kwargs), Sharded(out_dim, inner)
 
 
+@register_rule(*PER_TOKEN)
 def per_token(em: Emitter, node: fx.Node):
     """First argument carries the tokens; the rest are Global weights; trailing dims are features."""
     x, s = node.args[0], _sharded(em, node.args[0])
@@ -63,18 +54,33 @@ def per_token(em: Emitter, node: fx.Node):
 
 
 def _trailing_feature_dims(node: fx.Node) -> int:
+    """How many trailing dims of the first argument the op reduces over (they must not hold the tokens)."""
     t, nd = node.target, _ndim(node.args[0])
-    if t in (F.layer_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)):
-        shape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+    if t in NORMS:
+        shape = arguments(node, ("input", "normalized_shape"))["normalized_shape"]
         return len(shape) if isinstance(shape, (list, tuple)) else 1
-    if t in (F.softmax, F.log_softmax) or (node.op == "call_method" and t in ("softmax", "log_softmax")):
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
-        return nd - _norm(dim, nd)
-    if t in (F.embedding,):
+    if t in SOFTMAXES:
+        dim = arguments(node, ("input", "dim")).get("dim")
+        return nd - _norm(-1 if dim is None else dim, nd)
+    if t in EMBEDDING:
         return 0
     return 1  # linear: the last dim is contracted
 
 
+@register_rule(F.local_response_norm)
+def local_response_norm(em: Emitter, node: fx.Node):
+    """``F.local_response_norm(x (N, C, *), size)`` (AlexNet / GoogLeNet's LRN): each position normalised
+    over a window of the channels (dim 1) at that position, so per token unless the tokens are the channels.
+
+        x (B, C, S/N) Sharded(2) -> local_response_norm(x, size) (B, C, S/N) Sharded(2)
+    """
+    s = _sharded(em, arguments(node, ("input",))["input"])
+    if s is None or s.dim == 1 or any(_sharded(em, a) for a in _flat_args(node)[1:]):
+        return em.fallback(node, "local_response_norm across the channels that hold the sequence")
+    return em.copy(node, *em.value((node.args, node.kwargs))), s
+
+
+@register_rule(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")
 def matmul(em: Emitter, node: fx.Node):
     """``a @ b`` where exactly one side carries the tokens, along a dim the product keeps.
 
@@ -125,6 +131,7 @@ def _same_batch_dim(a: fx.Node, sa: Sharded, b: fx.Node, sb: Sharded) -> bool:
             and sa.inner == sb.inner and global_shape(a)[sa.dim] == global_shape(b)[sb.dim])
 
 
+@register_rule(torch.addmm, "addmm")
 def addmm(em: Emitter, node: fx.Node):
     """``addmm(bias, x, W)`` (HF's GPT-2 ``Conv1D``) on tokens along the rows of x: a per-token linear.
 
@@ -134,7 +141,7 @@ def addmm(em: Emitter, node: fx.Node):
     """
     bias, x, w = node.args[:3]
     s, bias_shape = _sharded(em, x), global_shape(bias) if isinstance(bias, fx.Node) else ()
-    if (s is None or s.dim != 0 or _sharded(em, bias) or _sharded(em, w)
-            or (len(bias_shape) == 2 and bias_shape[0] != 1)):
+    bias_rows = len(bias_shape) == 2 and bias_shape[0] != 1
+    if s is None or s.dim != 0 or _sharded(em, bias) or _sharded(em, w) or bias_rows:
         return em.fallback(node, "addmm mixing tokens")
     return em.copy(node, *em.value((node.args, node.kwargs))), s

@@ -1,4 +1,4 @@
-"""Layout rules for reductions over the sequence and for sizes (rows of the table in :mod:`.table`).
+"""Layout rules for reductions over the sequence and for sizes (docs/design.md §6).
 
     x (B, S/N, D).sum(1)   -> all_reduce_sum(local sum, padding rows zeroed) -> Global (B, D)
     x.mean(1)              -> the same / the global count S
@@ -15,21 +15,25 @@ import torch
 import torch.fx as fx
 
 from ...context import global_shape
+from ...op_vocab import arguments
 from ..emitter import Emitter
 from ..placements import GLOBAL, Sharded
 from .common import _name, _ndim, _norm, _sharded
+from .registry import register_rule
 
 
+@register_rule("sum", "mean", torch.sum, torch.mean)
 def reduction(em: Emitter, node: fx.Node):
+    """sum / mean: over other dims Sharded; over the sequence the local sums all-reduced -> Global."""
     x, s, nd, name = node.args[0], _sharded(em, node.args[0]), _ndim(node.args[0]), _name(node)
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    dims = (list(range(nd)) if dim is None
-            else [_norm(d, nd) for d in (dim if isinstance(dim, (list, tuple)) else [dim])])
+    a = arguments(node, ("input", "dim", "keepdim"))
+    dim, keep = a.get("dim"), a.get("keepdim", False)
+    dim = dim if dim is None or isinstance(dim, (list, tuple)) else [dim]
+    dims = list(range(nd)) if dim is None else [_norm(d, nd) for d in dim]
     if s.dim not in dims:
         shift = 0 if keep else sum(1 for d in dims if d < s.dim)
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim - shift, s.inner)
-    if name not in ("sum", "mean") or len(node.args) > 3 or set(node.kwargs) - {"dim", "keepdim"}:
+    if name not in ("sum", "mean") or a.get("dtype") is not None or set(a) - {"input", "dim", "keepdim", "dtype"}:
         return em.fallback(node, f"{name} over the sequence dim")
     mask = em.valid_mask(x, em.env[x], s.dim, s.inner)
     local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], 0.0)  # padding adds nothing
@@ -47,13 +51,13 @@ def reduction(em: Emitter, node: fx.Node):
     return em.call(graph_ops.all_reduce_sum, total, em.ctx.group.name), GLOBAL
 
 
+@register_rule(torch.histc, "histc")
 def histc(em: Emitter, node: fx.Node):
     """``torch.histc(x, bins, min, max)`` of a Sharded x (tokens per expert): the local histogram with the
     padding rows moved outside [min, max] (histc ignores them), summed over the group -> Global. A range
     read from the data (min == max) is gathered."""
     x, s = node.args[0], _sharded(em, node.args[0])
-    names = ("bins", "min", "max")
-    given = dict(zip(names, node.args[1:]), **{k: v for k, v in node.kwargs.items() if k in names})
+    given = arguments(node, ("input", "bins", "min", "max"))
     lo, hi = given.get("min", 0), given.get("max", 0)
     if not all(isinstance(v, (int, float)) for v in (lo, hi)) or lo >= hi:
         return em.fallback(node, "histc with its range read from the data")
@@ -65,6 +69,7 @@ def histc(em: Emitter, node: fx.Node):
     return em.call(graph_ops.all_reduce_sum, counts, em.ctx.group.name), GLOBAL
 
 
+@register_rule("size")
 def size(em: Emitter, node: fx.Node):
     """``x.size()`` / ``x.size(d)`` of a Sharded x: the *global* sizes (Dynamo emits them under
     dynamic shapes, e.g. ``y.reshape(x.size())``), the sequence dim as S. Global: a tuple of
@@ -78,5 +83,5 @@ def size(em: Emitter, node: fx.Node):
         local = em.method("size", em.env[x], d)
         return idx.op(operator.mul, idx.op(operator.floordiv, local, idx.c()), idx.S()) if d == s.dim else local
 
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dim = arguments(node, ("input", "dim")).get("dim")
     return (one(dim % len(shape)) if dim is not None else tuple(one(d) for d in range(len(shape)))), GLOBAL

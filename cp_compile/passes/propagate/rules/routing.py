@@ -41,20 +41,15 @@ import torch
 import torch.fx as fx
 
 from ...context import fake_value, global_shape
+from ...op_vocab import INDEX_ADDS, INDEX_PUTS, SCATTERS, SELECTIONS, SORTS, arguments, rule_keys
 from ..emitter import Emitter, mutates
 from ..placements import GLOBAL, Local, Sharded
 from .common import _flat_args, _key, _sharded
 from .pointwise import pointwise
+from .registry import register_rule
 from .routing_rows import refuse, rowwise, rows_rule
 
-_SELECT = {torch.nonzero, torch.argwhere, ("method", "nonzero"), ("method", "argwhere")}
-_SORT = {torch.sort, ("method", "sort"), torch.argsort, ("method", "argsort")}
-_INDEX_ADD = {("method", "index_add_"), ("method", "index_add"), torch.index_add,
-              ("method", "index_copy_"), ("method", "index_copy"), torch.index_copy}
-_INDEX_PUT = {("method", "index_put_"), ("method", "index_put"), torch.index_put, torch.index_put_}
-_SCATTER = {("method", "scatter_add_"), ("method", "scatter_add"), torch.scatter_add,
-            ("method", "scatter_"), ("method", "scatter"), torch.scatter,
-            ("method", "scatter_reduce_"), ("method", "scatter_reduce"), torch.scatter_reduce}
+_SELECT, _INDEX_ADD, _INDEX_PUT, _SCATTER = (rule_keys(s) for s in (SELECTIONS, INDEX_ADDS, INDEX_PUTS, SCATTERS))
 
 
 def is_selection(node: fx.Node) -> bool:
@@ -64,6 +59,7 @@ def is_selection(node: fx.Node) -> bool:
     return node.target is torch.where and len(node.args) == 1 and not node.kwargs
 
 
+@register_rule(*SELECTIONS)
 def select(em: Emitter, node: fx.Node):
     """Indices of the nonzeros of a Sharded ``x``: Local rows; those on the token dim index this rank's rows."""
     x = node.args[0]
@@ -75,16 +71,18 @@ def select(em: Emitter, node: fx.Node):
     return new, Local(0, None, node.name)  # (n, ndim): columns are not followed as token indices
 
 
+@register_rule(torch.where)
 def where(em: Emitter, node: fx.Node):
     """``torch.where``: the selection form with one argument, else the pointwise rule."""
     return select(em, node) if is_selection(node) else pointwise(em, node)
 
 
+@register_rule(*SORTS)
 def sort(em: Emitter, node: fx.Node):
     """``sort`` / ``argsort`` of 1-D Sharded values (expert ids): this rank's rows permuted, and the
     permutation as token indices. Any other sort along the sequence is gathered."""
     x, s = node.args[0], _sharded(em, node.args[0])
-    dim = node.args[1] if len(node.args) > 1 and type(node.args[1]) is int else node.kwargs.get("dim", -1)
+    dim = arguments(node, ("input", "dim")).get("dim", -1)
     if len(global_shape(x)) != 1 or dim not in (0, -1):
         return em.fallback(node, "sort along the sequence of a tensor with other dims")
     new = em.copy(node, *em.value((node.args, node.kwargs)))
@@ -122,8 +120,8 @@ def _index(em: Emitter, node: fx.Node):
     if _key(node) is operator.getitem:
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     else:
-        d = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
-        idx = node.args[2] if len(node.args) > 2 else node.kwargs["index"]
+        a = arguments(node, ("input", "dim", "index"))
+        d, idx = a["dim"], a["index"]
         index = (slice(None),) * (d % len(global_shape(x))) + (idx,)
     if any(i in em.row_numbers for i in index if isinstance(i, fx.Node)):
         return _back_to_tokens(em, node, x, index)
@@ -173,20 +171,17 @@ def _token_source(em: Emitter, x: fx.Node, dim: int, token: Tuple[int, int]) -> 
                   f"rank's rows of a token dim of {token[0]} rows (inner {token[1]}), laid out differently")
 
 
-def _args(node: fx.Node, names: Tuple[str, ...]) -> list:
-    """The arguments after the first, positional then by keyword in ``names`` order."""
-    return list(node.args[1:]) + [node.kwargs[k] for k in names[len(node.args) - 1:] if k in node.kwargs]
-
-
 def _index_add(em: Emitter, node: fx.Node):
     """``out.index_add_(d, top_x, rows)``: rows added back into this rank's rows of a Sharded ``out``."""
-    dim, idx, src = _args(node, ("dim", "index", "source"))[:3]
+    a = arguments(node, ("input", "dim", "index", "source"))
+    dim, idx, src = a["dim"], a["index"], a["source"]
     return _write_back(em, node, dim % len(global_shape(node.args[0])), idx, src, 0)
 
 
 def _index_put(em: Emitter, node: fx.Node):
     """``out.index_put_((top_x,), rows, accumulate)``: index_add_ / index_copy_ along dim 0."""
-    indices, values = _args(node, ("indices", "values"))[:2]
+    a = arguments(node, ("input", "indices", "values"))
+    indices, values = a["indices"], a["values"]
     if not (isinstance(indices, (tuple, list)) and len(indices) == 1):
         return refuse(em, node, "writes by more than one index tensor")
     return _write_back(em, node, 0, indices[0], values, 0)
@@ -204,7 +199,8 @@ def _set_rows(em: Emitter, node: fx.Node):
 def _scatter(em: Emitter, node: fx.Node):
     """``out.scatter_add_(0, top_x[:, None].expand(-1, D), rows)`` (and scatter_, scatter_reduce_):
     each index value a token index of this rank, on the same rows as ``src``."""
-    dim, idx, src = _args(node, ("dim", "index", "src"))[:3]
+    a = arguments(node, ("input", "dim", "index", "src"))
+    dim, idx, src = a["dim"], a["index"], a["src"]
     dim = dim % len(global_shape(node.args[0]))
     return _write_back(em, node, dim, idx, src, dim)
 

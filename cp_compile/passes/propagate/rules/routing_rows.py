@@ -18,27 +18,22 @@ from typing import Any, List, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ...context import CPRewriteError, fake_value, source_line
+from ...op_vocab import LINEAR, NORMS, POINTWISE, SHAPE_VIEWS, SOFTMAXES, arguments, rule_keys
 from ..emitter import Emitter
 from ..placements import GLOBAL, Local, Sharded
 from .common import _flat_args, _key, _name
-from .pointwise import POINTWISE_FUNCS, POINTWISE_METHODS
 
-_ROWWISE = POINTWISE_FUNCS | {("method", m) for m in POINTWISE_METHODS} | {
-    F.linear, torch._C._nn.linear, F.layer_norm, F.softmax, F.log_softmax, torch.matmul, operator.matmul,
-    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, ("method", "softmax"),
-    ("method", "type"), ("method", "long"), ("method", "int"), ("method", "bool"), ("method", "chunk"),
-    ("method", "split"), torch.chunk, torch.split, ("method", "unbind"), torch.unbind,
-    operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    *[("method", m + "_") for m in ("add", "sub", "mul", "div")]}
-_VIEWS = {("method", m) for m in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "expand",
-                                  "expand_as")} | {torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze}
-_KEEP_TOKEN = _VIEWS | {("method", m) for m in ("to", "clone", "detach", "long", "int", "type")} | {
+_ROWWISE = rule_keys(POINTWISE | LINEAR | NORMS | SOFTMAXES | {
+    torch.matmul, operator.matmul, torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+    "type", "long", "int", "bool", "chunk", "split", torch.chunk, torch.split, "unbind", torch.unbind,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, "add_", "sub_", "mul_", "div_"})
+_VIEWS = rule_keys(SHAPE_VIEWS)
+_KEEP_TOKEN = _VIEWS | rule_keys({"to", "clone", "detach", "long", "int", "type"}) | {
     operator.getitem}  # basic indexing (the tensor-index forms are routing._index) keeps a subset of the values
 _SIZES = {torch.ops.aten.sym_size.int, ("method", "size"), torch.ops.aten._assert_scalar.default}
-_SUMMARY_OPS = {torch.cumsum, ("method", "cumsum")} | POINTWISE_FUNCS | {("method", m) for m in POINTWISE_METHODS}
+_SUMMARY_OPS = rule_keys({torch.cumsum, "cumsum"} | POINTWISE)
 _GROUPED_MM = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")  # torch._grouped_mm, F.grouped_mm, HF's fallback op
 
 
@@ -68,13 +63,14 @@ def _across_rows(em: Emitter, node: fx.Node) -> bool:
     key, x = _key(node), node.args[0] if node.args else None
     lay = em.layout(x) if isinstance(x, fx.Node) else None
     nd = fake_value(x).dim() if isinstance(fake_value(x), torch.Tensor) else 0
-    if key in (F.softmax, F.log_softmax, ("method", "softmax")):
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if key in rule_keys(SOFTMAXES):
+        dim = arguments(node, ("input", "dim")).get("dim")
         return not isinstance(lay, Local) or dim is None or dim % nd == lay.dim
     if key in (torch.matmul, operator.matmul):
         return not isinstance(lay, Local) or lay.dim >= nd - 1 or isinstance(em.layout(node.args[1]), Local)
-    if key is F.layer_norm:
-        shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+    if key in NORMS:  # layer_norm, rms_norm: over the trailing normalized_shape
+        shape = arguments(node, ("input", "normalized_shape"))["normalized_shape"]
+        shape = shape if isinstance(shape, (list, tuple)) else (shape,)
         return not isinstance(lay, Local) or lay.dim >= nd - len(shape)
     return False
 
@@ -123,8 +119,10 @@ def _token(node: fx.Node, lay: Local) -> Optional[tuple]:
         return None
     if _key(node) in _KEEP_TOKEN:
         return lay.token
-    m = node.args[1] if len(node.args) > 1 else None
-    if node.target in (operator.floordiv, torch.floor_divide) and type(m) is int and m > 0 and lay.token[1] % m == 0:
+    if node.target not in (operator.floordiv, torch.floor_divide):
+        return None
+    _, m = list(arguments(node, ("input", "other")).values())[:2]  # (a, b) of operator.floordiv
+    if type(m) is int and m > 0 and lay.token[1] % m == 0:
         return (lay.token[0] // m, lay.token[1] // m)
     return None
 
@@ -141,7 +139,7 @@ def _grouped_mm(em: Emitter, node: fx.Node):
     """``grouped_mm(rows, W, offs=counts)``: rows grouped by the offsets, group g times W[g]: per row,
     with the offsets of this rank's rows (the summary of the same selection)."""
     rows, w = node.args[0], node.args[1]
-    offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+    offs = arguments(node, ("mat_a", "mat_b", "offs")).get("offs")
     lr, lo = em.layout(rows), em.layout(offs)
     if not (isinstance(lr, Local) and lr.dim == 0 and isinstance(lo, Local) and lo.dim is None
             and lo.rows == lr.rows and em.layout(w) in (None, GLOBAL)):

@@ -1,4 +1,4 @@
-"""Layout rules for views, permutes and split/join ops (rows of the table in :mod:`.table`).
+"""Layout rules for views, permutes and split/join ops (docs/design.md §6).
 
     x (B, S/N, H*Dh).view(B, S, H, Dh)   -> view(B, c, H, Dh): the baked length becomes the local one
     x (B, S/N, D).transpose(1, 2)        -> Sharded(2)
@@ -13,12 +13,16 @@ import torch
 import torch.fx as fx
 
 from ...context import global_shape
+from ...op_vocab import FLATTENS, JOINS, PERMUTES, RESHAPES, SPLITS, SQUEEZES, arguments
 from ..emitter import Emitter
 from ..placements import Sharded, view_placement
-from .common import _dims_args, _name, _ndim, _norm, _sharded
+from .common import _name, _ndim, _norm, _sharded
+from .registry import register_rule
 
 
+@register_rule(*RESHAPES)
 def view(em: Emitter, node: fx.Node):
+    """view / reshape: the sequence dim where it lands; a length baked in for the full sequence made local."""
     x, s = node.args[0], _sharded(em, node.args[0])
     out = view_placement(global_shape(x), global_shape(node), s, em.ctx.seq_len)
     if out is None:
@@ -39,6 +43,7 @@ def view(em: Emitter, node: fx.Node):
     return em.copy(node, tuple(args), kwargs), out
 
 
+@register_rule(*FLATTENS, *SQUEEZES, "contiguous")
 def shape_only(em: Emitter, node: fx.Node):
     """Ops without size arguments (flatten, squeeze, unsqueeze, contiguous): follow the shapes."""
     s = _sharded(em, node.args[0])
@@ -48,25 +53,29 @@ def shape_only(em: Emitter, node: fx.Node):
     return em.copy(node, *em.value((node.args, node.kwargs))), out
 
 
+@register_rule(*PERMUTES)
 def permute(em: Emitter, node: fx.Node):
+    """transpose / swapaxes / swapdims / t / permute / movedim: the sequence dim follows the permutation."""
     s, nd = _sharded(em, node.args[0]), _ndim(node.args[0])
-    name = _name(node)
+    name, a = _name(node), arguments(node)
     if name in ("transpose", "swapaxes", "swapdims"):
-        d0, d1 = (_norm(d, nd) for d in _dims_args(node, 2))
+        d0, d1 = (_norm(a[k], nd) for k in a if k != "input")
         order = list(range(nd))
         order[d0], order[d1] = order[d1], order[d0]
     elif name == "t":
         order = list(reversed(range(nd)))
     elif name == "permute":
-        order = [_norm(d, nd) for d in _dims_args(node, nd)]
+        order = [_norm(d, nd) for d in a["dims"]]
     else:  # movedim
-        src, dst = (_norm(d, nd) for d in _dims_args(node, 2))
+        src, dst = _norm(a["source"], nd), _norm(a["destination"], nd)
         order = [d for d in range(nd) if d != src]
         order.insert(dst, src)
     return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(order.index(s.dim), s.inner)
 
 
+@register_rule("expand")
 def expand(em: Emitter, node: fx.Node):
+    """``x.expand(sizes)``: the sequence dim's size made the local length."""
     s, x = _sharded(em, node.args[0]), node.args[0]
     out_dim = s.dim + _ndim(node) - _ndim(x)
     args = em.value(node.args)
@@ -76,14 +85,14 @@ def expand(em: Emitter, node: fx.Node):
     return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner)
 
 
+@register_rule(*SPLITS)
 def along_dim(em: Emitter, node: fx.Node):
     """chunk / split / unbind / repeat_interleave: fine unless along the sequence dim."""
     x, s = node.args[0], _sharded(em, node.args[0])
     nd, name = _ndim(x), _name(node)
-    default = 0 if name in ("chunk", "split", "unbind") else None
-    pos = {"chunk": 2, "split": 2, "unbind": 1, "repeat_interleave": 2}.get(name, 2)
-    dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
-    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    second = {"unbind": "dim", "repeat_interleave": "repeats"}.get(name, "sections")  # by position if unnamed
+    a = arguments(node, ("input", second, "dim"))
+    dim, repeats = a.get("dim", 0 if name in ("chunk", "split", "unbind") else None), a.get("repeats")
     if name == "repeat_interleave" and dim is not None and _norm(dim, nd) == s.dim and type(repeats) is int:
         # each token row repeated r times in place: row t·r + j, i.e. the token dim with inner·r
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim, s.inner * repeats)
@@ -97,6 +106,7 @@ def along_dim(em: Emitter, node: fx.Node):
     return new, tuple(out for _ in range(n_out))
 
 
+@register_rule(*JOINS)
 def concat(em: Emitter, node: fx.Node):
     """cat / stack of operands that share one sequence layout, not along the sequence dim.
 
@@ -105,7 +115,7 @@ def concat(em: Emitter, node: fx.Node):
     so ``cat([empty (0,), k (B, H, S, D)], -2) -> k`` stays Sharded.
     """
     tensors = [t for t in node.args[0] if not _is_empty(t)] if node.target is not torch.stack else list(node.args[0])
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = arguments(node, ("tensors", "dim")).get("dim", 0)
     if len(tensors) == 1 and _sharded(em, tensors[0]):  # cat promotes dtypes over the empties too
         out, dtype = em.env[tensors[0]], node.meta["example_value"].dtype
         same = tensors[0].meta["example_value"].dtype == dtype

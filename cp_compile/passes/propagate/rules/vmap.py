@@ -17,13 +17,14 @@ refused with the op and the fix.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ...context import CPRewriteError, source_line
 from ..placements import Sharded
+from .registry import register_rule
 
 _PREDISPATCH = getattr(torch._functorch, "predispatch", None)
 ADD_BATCH_DIM = getattr(_PREDISPATCH, "_add_batch_dim", None)
@@ -32,6 +33,7 @@ INCREMENT = getattr(_PREDISPATCH, "_vmap_increment_nesting", None)
 DECREMENT = getattr(_PREDISPATCH, "_vmap_decrement_nesting", None)
 
 
+@register_rule(ADD_BATCH_DIM)
 def add_batch_dim(em: Any, node: fx.Node):
     """``_add_batch_dim(x, batch_dim, level)``: the logical value drops ``batch_dim``."""
     x, batch_dim = node.args[0], node.args[1]
@@ -44,6 +46,7 @@ def add_batch_dim(em: Any, node: fx.Node):
     return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim - (batch_dim < s.dim), s.inner)
 
 
+@register_rule(REMOVE_BATCH_DIM)
 def remove_batch_dim(em: Any, node: fx.Node):
     """``_remove_batch_dim(x, level, batch_size, out_dim)``: the batch dim comes back at ``out_dim``."""
     x, out_dim = node.args[0], node.args[3]
@@ -53,11 +56,5 @@ def remove_batch_dim(em: Any, node: fx.Node):
     return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim + (out_dim <= s.dim), s.inner)
 
 
-def vmap_rules() -> Dict[Any, Any]:
-    """Table entries for rules/table.py."""
-    if ADD_BATCH_DIM is None or REMOVE_BATCH_DIM is None:
-        return {}
-    return {ADD_BATCH_DIM: add_batch_dim, REMOVE_BATCH_DIM: remove_batch_dim}
 
-
-__all__ = ["DECREMENT", "INCREMENT", "add_batch_dim", "remove_batch_dim", "vmap_rules"]
+__all__ = ["DECREMENT", "INCREMENT", "add_batch_dim", "remove_batch_dim"]

@@ -1,0 +1,41 @@
+"""The rule registry: op -> layout rule, filled where each rule is defined.
+
+    @register_rule(F.layer_norm, "softmax")        # functions, or method names as str
+    def per_token(em, node): ...                    # RULES[F.layer_norm] and RULES[("method", "softmax")]
+
+A rule is ``rule(em, node) -> (new value, layout)`` for a node with a Sharded input (:mod:`.table`
+looks it up, and imports every module that registers rules). A target registered twice is an
+error at import: two rules for one op would make the table depend on the order of the imports.
+``None`` targets (ops this torch does not have) are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from ...op_vocab import rule_key
+from .common import Rule
+
+RULES: Dict[Any, Rule] = {}
+
+
+def register_rule(*targets: Any) -> Callable[[Rule], Rule]:
+    """Decorator: ``rule`` handles each of ``targets`` (functions, or method names as str)."""
+
+    def register(rule: Rule) -> Rule:
+        for target in targets:
+            if target is None:
+                continue
+            key = rule_key(target)
+            if key in RULES:
+                had = RULES[key]
+                raise RuntimeError(
+                    f"cp_compile: {key!r} has two layout rules, {had.__module__}.{had.__qualname__} and "
+                    f"{rule.__module__}.{rule.__qualname__}. Fix: register it in one @register_rule only.")
+            RULES[key] = rule
+        return rule
+
+    return register
+
+
+__all__ = ["RULES", "register_rule"]
