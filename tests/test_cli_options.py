@@ -36,7 +36,7 @@ def test_every_option_flag_runs_and_reaches_the_rewrite(flags, capsys):
     options["strict"] = "--strict" in flags
     ctx = explain_model(model, args, example_kwargs=kwargs, dynamic="--dynamic" in flags, **options).ctx
     for key, value in options.items():
-        assert getattr(ctx, key) == value, key
+        assert getattr(ctx.options, key) == value, key
     assert f"record: {ctx.record.summary()}" in out  # the record explain printed is this one
     if "labels=1" in " ".join(flags):
         assert "labels (dim 1)" in out
