@@ -15,7 +15,8 @@ option's validation; ``torch.compile``'s own ``fullgraph=`` / ``mode=`` /
 ``options=`` combined with ours; ``outputs='local'`` across a graph break (refused:
 the next graph would take a shard for the whole sequence), and the layer code such a
 model recompiles under automatic dynamic shapes (``reshape(x.size())``); a nested
-(jagged) batch (refused: its attention would run eagerly, unsplit).
+(jagged) batch (refused: its attention would run eagerly, unsplit); dropout on a value
+every rank holds whole (refused in training: the ranks would draw different masks).
 """
 
 from __future__ import annotations
@@ -320,3 +321,32 @@ def test_nested_jagged_inputs_are_refused_naming_the_input_and_the_fix(ranks):
         assert msg is not None, "a jagged batch compiled silently (attention unsplit on every rank)"
         assert "input 'x' is a nested (jagged) tensor" in msg and "test_misuse.py:" in msg, msg
         assert "Fix: pad the batch to a dense (B, S) tensor" in msg, msg
+
+
+class _DropoutOnAWholeValue(torch.nn.Module):
+    """Attention over x plus a learned (S, D) table that dropout reads whole on every rank."""
+
+    def __init__(self, seq: int, dim: int, spelling: str, p: float) -> None:
+        super().__init__()
+        self.table, self.spelling, self.p = torch.nn.Parameter(torch.randn(seq, dim)), spelling, p
+
+    def forward(self, x):  # x (B, S, D)
+        if self.spelling == "torch.dropout":
+            noisy = torch.dropout(self.table, self.p, self.training)
+        else:
+            noisy = torch.nn.functional.dropout(self.table, p=self.p, training=self.training)
+        q = (x + noisy.sum(0)).unsqueeze(1)  # (B, 1, S, D): the table's sum over S is whole on every rank
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+
+
+@pytest.mark.parametrize("spelling", ["F.dropout", "torch.dropout"])
+def test_dropout_on_a_whole_value_is_refused_in_training_only(spelling):
+    from cp_compile.errors import CPRewriteError
+    from cp_compile.tools.explain import explain_model
+
+    x = torch.randn(2, 8, 16)
+    with pytest.raises(CPRewriteError, match=r"dropout at .*test_misuse.py.* draws random numbers.*Fix"):
+        explain_model(_DropoutOnAWholeValue(8, 16, spelling, 0.1), (x,), world_size=2)
+    for p, training in ((0.0, True), (0.1, False)):  # nothing random is drawn: rewritten
+        model = _DropoutOnAWholeValue(8, 16, spelling, p).train(training)
+        assert explain_model(model, (x,), world_size=2).ctx.record.rings == 1

@@ -32,6 +32,7 @@ from ..context import CPRewriteError, RewriteContext, global_shape, log, source_
 from .doc_table import emit_table
 from .emitter import Emitter
 from ..fx_utils import drop_empty_vmap_regions, erase_unused
+from ..op_vocab import DROPOUT, arguments
 from ..analyze.find_attention import is_sdpa
 from .rules.vmap import DECREMENT, INCREMENT
 from .placements import GLOBAL, Global, Sharded
@@ -179,18 +180,16 @@ def _tuple_getitem(em: Emitter, node: fx.Node) -> bool:
     return False
 
 
-RANDOM_OPS = {torch.rand, torch.randn, torch.randint, torch.bernoulli, torch.rand_like, torch.randn_like,
-              torch.nn.functional.dropout, torch.dropout}
+RANDOM_OPS = {torch.rand, torch.randn, torch.randint, torch.bernoulli, torch.rand_like, torch.randn_like, *DROPOUT}
 
 
 def _refuse_random_global(node: fx.Node) -> None:
     """A random op on a value every rank holds whole would draw different numbers per rank."""
     if node.op != "call_function" or node.target not in RANDOM_OPS:
         return
-    if node.target in (torch.nn.functional.dropout, torch.dropout):
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
-        if p == 0 or not training:
+    if node.target in DROPOUT:
+        a = arguments(node, ("input", "p", "training"))  # torch.dropout names its flag "train"
+        if a.get("p", 0.5) == 0 or not a.get("training", a.get("train", True)):
             return
     raise CPRewriteError(
         f"cp_compile: {getattr(node.target, '__name__', node.target)} at {source_line(node)} draws random numbers "
