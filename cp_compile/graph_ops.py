@@ -83,6 +83,21 @@ def _device(grads: tuple) -> torch.device:
     return next(g.device for g in grads if g is not None)
 
 
+class _GatherStack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, world: int, group_name: str) -> Tensor:
+        ctx.world, ctx.group_name = world, group_name
+        flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), world, group_name))  # (N·a, ...)
+        return flat.view(world, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # every rank holds the same (N, ...) value, so each holds a share of its gradient: rank r's
+        # contribution gets the sum over ranks of their shares of entry r
+        flat = grad.contiguous().view(-1, *grad.shape[2:])
+        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "sum", ctx.world, ctx.group_name)), None, None
+
+
 class _GradScale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: float) -> Tensor:
@@ -136,6 +151,15 @@ def grad_scale(x: Tensor, scale: float) -> Tensor:
     return _GradScale.apply(x, scale)
 
 
+def gather_stack(x: Tensor, world: int, group_name: str) -> Tensor:
+    """Every rank's ``x`` stacked in rank order: (N, *x.shape), the same value on every rank (Global).
+
+    For small per-rank summaries (candidates of a reduction, totals of a scan, boundary tokens);
+    backward: a reduce-scatter of the gradient shares, so rank r's ``x`` gets the sum of every
+    rank's share of entry r."""
+    return _GatherStack.apply(x, world, group_name)
+
+
 def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, group_name: str) -> Tensor:
     """Sharded(dim) -> Global: all-gather the shards and undo the layout permutation.
 
@@ -148,8 +172,8 @@ def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, 
 
 # The functions above that send or receive in the forward (a checkpointed region saves their results
 # rather than recomputing them in the backward: cp_compile.passes.normalize.regions).
-COMMUNICATING = (all_reduce_sum, gather_seq)
+COMMUNICATING = (all_reduce_sum, gather_seq, gather_stack)
 
 # Every function above that the rewrite emits as a graph node (see :mod:`cp_compile.backend.aot_cache`).
-GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq,
+GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq, gather_stack,
                    additive_mask)  # the last: an explicit attention mask for the ring op (passes/masks/rows.py)

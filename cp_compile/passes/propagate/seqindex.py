@@ -96,6 +96,25 @@ class SeqIndex:
                     self._memo[key] = self.em.call(torch.cat, [first, second])
         return self._memo[key]
 
+    def chunks(self) -> Optional[Tuple[torch.Tensor, Value]]:
+        """This layout as equal contiguous runs of global positions, for the rules that follow the
+        global order across ranks (scans, neighbour reads): ``(table, length)``, ``table`` an
+        (N, k) int64 tensor whose row r lists the global chunk index of rank r's j-th run of
+        ``length`` tokens (rank r's local tokens are its k runs one after the other); chunk i
+        covers global positions [i·length, (i+1)·length) of the padded sequence. None when the
+        runs are not fixed (``load_balance="documents"``: per batch) or are single tokens
+        (``"striped"`` on several ranks).
+
+            zigzag     (N=2): [[0, 3], [1, 2]], length c/2     contiguous: [[0], [1]], length c
+        """
+        n, lb = self.ctx.world, self.ctx.options.load_balance
+        if self.table is not None or (lb == "striped" and n > 1) or lb == "documents":
+            return None
+        if n == 1 or lb == "contiguous":
+            return torch.arange(n).view(n, 1), self.c()
+        table = torch.tensor([[r, 2 * n - 1 - r] for r in range(n)])  # zigzag
+        return table, self.op(operator.floordiv, self.c(), 2)
+
     def index(self, size: Value, inner: int) -> fx.Node:
         """Indices of this rank's entries along a dim of global ``size`` (1-D, outer * c * inner)."""
         if not self.runtime:
