@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from ...context import fake_value, global_shape
+from ...op_vocab import arguments
 from ..placements import GLOBAL, Sharded
 from .registry import register_rule
 
@@ -39,7 +40,7 @@ def getitem(em: Any, node: fx.Node):
     s = em.layout(x)
     index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(global_shape(x)))
     if index is None or any(isinstance(i, fx.Node) for i in index):
-        looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else None
+        looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else _read_at(em, node, s, index)
         return looked_up if looked_up is not None else em.fallback(node, "indexing with tensors on a sharded value")
     in_dim, out_dim = 0, 0
     for at, i in enumerate(index):
@@ -119,3 +120,90 @@ def _covers(i: Any, size: int, symbolic: bool) -> bool:
     if symbolic:
         return i.start in (None, 0) and i.stop is None and i.step in (None, 1)
     return range(size)[i] == range(size)
+
+
+# ------------------------------------------------------------------------- reads at positions given by data
+def _read_at(em: Any, node: fx.Node, s: Sharded, index: Optional[tuple]):
+    """``x[arange(B), idx]`` / ``x[:, idx]``: the sequence dim of a Sharded x indexed by a Global integer
+    tensor of global positions (negative ones wrapped by S): :func:`_owner_reads`. Else None."""
+    x = node.args[0]
+    if index is None or not _plain_seq(em, x, s) or fake_value(node).dtype is torch.bool:
+        return None
+    tensors = [i for i in index if isinstance(i, fx.Node)]
+    if any(em.layout(i) not in (None, GLOBAL) or fake_value(i).dtype in (torch.bool, torch.uint8) for i in tensors):
+        return None  # a Sharded index, or a mask
+    in_dim = 0
+    for at, i in enumerate(index):
+        if i is None:
+            continue
+        if in_dim == s.dim:
+            if not isinstance(i, fx.Node):
+                return None
+            local = _owned_rows(em, em.env[i], wrap=True)
+            new_index = tuple(em.value(j) if p != at else local for p, j in enumerate(index))
+            return _owner_reads(em, x, s.dim, lambda ext: em.call(operator.getitem, ext, new_index)), GLOBAL
+        in_dim += 1
+    return None
+
+
+def _plain_seq(em: Any, x: fx.Node, s: Optional[Sharded]) -> bool:
+    """Whether x's sequence dim is S rows of one token each, in a layout fixed at compile time."""
+    return isinstance(s, Sharded) and s.inner == 1 and global_shape(x)[s.dim] == em.ctx.seq_len \
+        and not em.index.runtime
+
+
+def _owned_rows(em: Any, idx: fx.Node, wrap: bool) -> fx.Node:
+    """Global positions ``idx`` mapped to this rank's local rows, c (one past the last row) where
+    another rank holds the position: ``table[p]``, the table (S,) a constant of this rank."""
+    rank, s, c = em.ctx.group.rank, em.ctx.seq_len, em.ctx.padded_len // em.ctx.world
+    pos = _rank_positions(em, rank)  # (c,) padding included
+    table = torch.full((s,), c, dtype=torch.int64)
+    real = pos < s
+    table[pos[real]] = torch.arange(c)[real]
+    table = em.const(f"_cp_owned_rows{rank}_{s}", table)
+    if wrap:  # x[:, -1] with a tensor: position S - 1
+        idx = em.call(torch.where, em.call(operator.lt, idx, 0), em.call(operator.add, idx, s), idx)
+    return em.call(operator.getitem, table, idx)
+
+
+def _rank_positions(em: Any, rank: int) -> torch.Tensor:
+    from ....sequence import rank_positions
+
+    return rank_positions(em.ctx.padded_len, em.ctx.world, rank, em.ctx.options.load_balance)
+
+
+def _owner_reads(em: Any, x: fx.Node, d: int, read: Any) -> fx.Node:
+    """``read`` (the op with its index mapped by :func:`_owned_rows`) on this rank's rows of x with a zero
+    row appended along d, summed over the group: the owner of each position gives its row, the others
+    zeros, exactly; the sum's backward lands each row's gradient on its owner."""
+    from .... import graph_ops
+
+    key = ("owner_reads", x, d)
+    if key not in em._memo:  # (..., c + 1, ...): row c reads as zeros
+        local = em.env[x]
+        em._memo[key] = em.call(torch.cat, [local, em.call(torch.zeros_like, em.method("narrow", local, d, 0, 1))], d)
+    return em.call(graph_ops.all_reduce_sum, read(em._memo[key]), em.ctx.group.name)
+
+
+@register_rule(torch.gather, "gather", torch.index_select, "index_select", torch.take_along_dim, "take_along_dim")
+def read_along(em: Any, node: fx.Node):
+    """``torch.gather(x, d, idx)`` / ``index_select(x, d, idx)`` / ``take_along_dim(x, idx, d)`` along the
+    sequence dim of a Sharded x with a Global integer idx of positions: :func:`_owner_reads` -> Global.
+    Any other form is the oracle's (per token along other dims), else gathered."""
+    from .order import _unruled
+
+    x = node.args[0]
+    a = arguments(node, ("input", "dim", "index"))
+    idx, dim = a.get("index", a.get("indices")), a.get("dim")
+    s = em.layout(x)
+    if not (_plain_seq(em, x, s) and isinstance(dim, int) and dim % len(global_shape(x)) == s.dim
+            and isinstance(idx, fx.Node) and em.layout(idx) in (None, GLOBAL)):
+        return _unruled(em, node, f"{node.target if isinstance(node.target, str) else node.target.__name__} "
+                        "with indices that are not whole positions along the sequence")
+    local = _owned_rows(em, em.env[idx], wrap=False)
+    named = {"dim": dim, ("indices" if "indices" in a else "index"): local}
+    return _owner_reads(em, x, s.dim, lambda ext: em.copy(node, (ext,), {**_rest(a), **named})), GLOBAL
+
+
+def _rest(a: dict) -> dict:
+    return {k: v for k, v in a.items() if k not in ("input", "dim", "index", "indices") and v is not None}

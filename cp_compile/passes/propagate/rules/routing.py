@@ -80,11 +80,13 @@ def where(em: Emitter, node: fx.Node):
 @register_rule(*SORTS)
 def sort(em: Emitter, node: fx.Node):
     """``sort`` / ``argsort`` of 1-D Sharded values (expert ids): this rank's rows permuted, and the
-    permutation as token indices. Any other sort along the sequence is gathered."""
+    permutation as token indices. A sort of a tensor with other dims is order.py's (:func:`.order.sort_whole`)."""
     x, s = node.args[0], _sharded(em, node.args[0])
     dim = arguments(node, ("input", "dim")).get("dim", -1)
     if len(global_shape(x)) != 1 or dim not in (0, -1):
-        return em.fallback(node, "sort along the sequence of a tensor with other dims")
+        from .order import sort_whole
+
+        return sort_whole(em, node)
     new = em.copy(node, *em.value((node.args, node.kwargs)))
     perm = Local(0, (global_shape(x)[0], s.inner), node.name, whole=True)
     if "argsort" in str(_key(node)):
