@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...context import global_shape
+from ...context import fake_value, global_shape
 from ...op_vocab import arguments
 from ..emitter import Emitter
 from ..placements import GLOBAL, Sharded
@@ -36,7 +36,8 @@ def reduction(em: Emitter, node: fx.Node):
     if name not in ("sum", "mean") or a.get("dtype") is not None or set(a) - {"input", "dim", "keepdim", "dtype"}:
         return em.fallback(node, f"{name} over the sequence dim")
     mask = em.valid_mask(x, em.env[x], s.dim, s.inner)
-    local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], 0.0)  # padding adds nothing
+    zero = 0.0 if fake_value(x).is_floating_point() else 0  # (an int 0: a float one would promote integer sums)
+    local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], zero)  # padding adds nothing
     total = em.method("sum", local, dims, keep)
     if name == "mean":  # / global count: the other reduced dims' sizes times S
         count = em.index.S()  # times outer·inner when the tokens are flattened with other dims (B·S rows)
