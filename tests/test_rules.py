@@ -107,11 +107,12 @@ def test_rows_cover_every_rule_module() -> None:
     losses (losses.py) are covered by every model test, FlexAttention by tests/test_flex_attention.py, the
     data-dependent selections of MoE routing by tests/test_zoo_moe.py, fresh buffers (new_empty,
     copy_) by tests/test_mla.py, custom autograd functions below, torch.vmap's batch dims by
-    tests/test_dead_code.py; the table itself has no rule of its own)."""
+    tests/test_dead_code.py, the order-following reductions (order.py: Global results, no copy of the node
+    to find here) by tests/test_order_reads.py; the table itself has no rule of its own)."""
     modules = {fn.__module__.rsplit(".", 1)[1] for fn in RULES.values()}
     covered: Tuple[str, ...] = tuple(row[1] for row in ROWS.values())
     uncovered = modules - set(covered)
-    assert uncovered <= {"attention", "losses", "flex", "routing", "fill", "autograd_fn", "vmap"}, uncovered
+    assert uncovered <= {"attention", "losses", "flex", "routing", "fill", "autograd_fn", "vmap", "order"}, uncovered
 
 
 class _TanhGelu(torch.autograd.Function):
@@ -177,6 +178,8 @@ _INPUTS: dict = {
     "w3": (lambda: torch.randn(B, D, D) * 0.3, None),
     "bias": (lambda: torch.randn(D), None),
     "table": (lambda: torch.randn(S, D), None),
+    "pos": (lambda: torch.tensor([3, 0, 15, 3]), None),  # positions chosen by data, held whole
+    "pos3": (lambda: torch.randint(0, S, (B, 4, D)), None),
 }
 
 
@@ -249,6 +252,13 @@ _SAMPLES: dict = {  # rule key -> (args, kwargs); _p(name) is the placeholder of
     **{k: ((_p("mask1"),), {}) for k in (torch.nonzero, ("method", "nonzero"), torch.argwhere,
                                          ("method", "argwhere"))},
     **{k: ((_p("expert"),), {}) for k in (torch.sort, ("method", "sort"), torch.argsort, ("method", "argsort"))},
+    **{k: ((_p("x"), 1), {}) for k in (torch.argmax, torch.argmin, ("method", "argmax"), ("method", "argmin"),
+                                       torch.max, torch.min, ("method", "max"), ("method", "min"), torch.median,
+                                       ("method", "median"))},
+    **{k: ((_p("x"), 3, 1), {}) for k in (torch.topk, ("method", "topk"), torch.kthvalue, ("method", "kthvalue"))},
+    **{k: ((_p("x"), 1, _p("pos")), {}) for k in (torch.index_select, ("method", "index_select"))},
+    **{k: ((_p("x"), 1, _p("pos3")), {}) for k in (torch.gather, ("method", "gather"))},
+    **{k: ((_p("x"), _p("pos3"), 1), {}) for k in (torch.take_along_dim, ("method", "take_along_dim"))},
 }
 _NOT_SWEPT = {  # rule key name -> why it has no sample here, and where it is tested
     "scaled_dot_product_attention_with_scores": "needs a score_fn submodule (tests/test_attention_forms.py)",
@@ -323,6 +333,9 @@ _UNDECIDED = {  # ops the oracle gives no verdict for, and why (the rule's verdi
     "scaled_dot_product_attention": "attention reads every position's keys (the rule makes it the ring)",
     "local_response_norm": "its ATen decomposition (avg_pool3d over the channels) has no DTensor strategy",
     "nonzero": _SELECTS, "argwhere": _SELECTS, "sort": _SELECTS, "argsort": _SELECTS,
+    **{k: _MIXES for k in ("argmax", "argmin", "max", "min", "median", "topk", "kthvalue")},
+    **{k: "it reads positions chosen by data (the owner's rows, all-reduced: Global)"
+       for k in ("index_select", "gather", "take_along_dim")},
 }
 
 
