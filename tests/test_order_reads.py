@@ -186,3 +186,58 @@ def test_a_sequence_merged_with_the_batch_is_gathered_and_warned() -> None:
         r = explain_model(Flattened(), (torch.randn(B, 16, D),), world_size=2)
     assert any("argmax" in f and "merges the sequence" in f for f in r.ctx.record.fallbacks), r.ctx.record.fallbacks
     assert any("argmax" in w for w in warnings), warnings
+
+
+# --------------------------------------------------------------------------- Hugging Face's own classes
+HF_SEQ_CLS = {"llama": "LlamaForSequenceClassification", "gpt2": "GPT2ForSequenceClassification"}
+
+
+def _hf_seq_cls(model_type: str) -> tuple:
+    """(model, kwargs): the tiny config's classifier, rows right-padded with pad_token_id 0 to lengths 21, 15,
+    6, the padding mask passed as Hugging Face users pass it."""
+    import transformers
+    from hf_configs import tiny_config
+
+    cfg = tiny_config(model_type)
+    cfg.num_labels, cfg.pad_token_id = 3, 0
+    torch.manual_seed(0)
+    model = getattr(transformers, HF_SEQ_CLS[model_type])._from_config(cfg).float().train()
+    ids = torch.randint(5, 100, (3, 21), generator=torch.Generator().manual_seed(0))
+    ids[1, 15:], ids[2, 6:] = 0, 0
+    return model, {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([0, 2, 1])}
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_SEQ_CLS))
+def test_hf_sequence_classification_pools_without_a_gather(model_type: str) -> None:
+    from cp_compile.tools.explain import explain_model
+
+    model, kwargs = _hf_seq_cls(model_type)
+    r = explain_model(model, (), world_size=2, example_kwargs=kwargs)
+    assert r.ctx.record.fallbacks == [] and r.ctx.record.rings == 2, r.ctx.record.summary()
+    assert not [n for n in r.after.graph.nodes if "gather_seq" in str(n.target)], r.after.code
+
+
+def _hf_exact(model_type: str) -> dict:
+    import copy
+
+    import torch.distributed as dist
+
+    import cp_compile
+
+    ref_model, kwargs = _hf_seq_cls(model_type)
+    cp_model = copy.deepcopy(ref_model)
+    explained = explain_record(ref_model, (), kwargs, world_size=dist.get_world_size())
+    ref = ref_model(**kwargs)
+    ref.loss.backward()
+    backend = cp_compile.RingCP(inner="aot_eager")
+    out = torch.compile(cp_model, backend=backend, fullgraph=True)(**kwargs)
+    out.loss.backward()
+    return {"loss": rel(out.loss.detach(), ref.loss.detach()), "logits": rel(out.logits.detach(), ref.logits.detach()),
+            "grads": max(grad_errors(cp_model, ref_model).values()), "same_record": backend.records == [explained],
+            "fallbacks": list(backend.fallbacks)}
+
+
+def test_hf_llama_sequence_classification_is_exact(ranks) -> None:
+    for rank, r in enumerate(ranks.run(2, _hf_exact, "llama", timeout=300)):
+        assert r["loss"] <= 1e-5 and r["logits"] <= 1e-5 and r["grads"] <= 1e-5, (rank, r)
+        assert r["same_record"] and r["fallbacks"] == [], (rank, r)
