@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ...context import fake_value, global_shape
+from ...context import fake_value, global_shape, log, source_line
 from ...op_vocab import arguments
 from ..placements import GLOBAL, Sharded
 from .registry import register_rule
@@ -40,7 +40,8 @@ def getitem(em: Any, node: fx.Node):
     s = em.layout(x)
     index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(global_shape(x)))
     if index is None or any(isinstance(i, fx.Node) for i in index):
-        looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else _read_at(em, node, s, index)
+        looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else \
+            _read_at(em, node, s, index) or _read_masked(em, node, s, index)
         return looked_up if looked_up is not None else em.fallback(node, "indexing with tensors on a sharded value")
     in_dim, out_dim = 0, 0
     for at, i in enumerate(index):
@@ -144,6 +145,37 @@ def _read_at(em: Any, node: fx.Node, s: Sharded, index: Optional[tuple]):
             return _owner_reads(em, x, s.dim, lambda ext: em.call(operator.getitem, ext, new_index)), GLOBAL
         in_dim += 1
     return None
+
+
+def _read_masked(em: Any, node: fx.Node, s: Sharded, index: Optional[tuple]):
+    """``x[mask]`` (also ``x[:, m]``): a boolean mask over dims of a Sharded x that include the sequence,
+    held whole or Sharded alike (``ids == eos``: made whole on every rank by one small ``gather_stack``,
+    logged at INFO: it holds no activations), read as ``x[nonzero(mask, as_tuple=True)]`` by
+    :func:`_read_at`'s owner-contributes sum. The result's length is the mask's count (Dynamo's
+    unbacked size). Else None."""
+    x = node.args[0]
+    tensors = [(at, i) for at, i in enumerate(index or ()) if isinstance(i, fx.Node)]
+    if len(tensors) != 1 or not _plain_seq(em, x, s) or fake_value(node).dtype is torch.bool:
+        return None
+    at, mask = tensors[0]
+    m, lay = len(global_shape(mask)), em.layout(mask)
+    if fake_value(mask).dtype is not torch.bool or any(i != slice(None) for i in index[:at]) \
+            or not at <= s.dim < at + m or global_shape(mask) != global_shape(x)[at:at + m]:
+        return None
+    if isinstance(lay, Sharded) and (lay.dim + at != s.dim or lay.inner != 1):
+        return None
+    whole = em.env[mask]
+    if isinstance(lay, Sharded):  # a per-token mask: whole on every rank (m bytes a token), not a fallback
+        from .order import stacked_whole
+
+        log.info("cp_compile: the mask %s of %s at %s is made whole on every rank (gather_stack)", mask.name,
+                 node.name, source_line(node))
+        whole = em.method("bool", stacked_whole(em, em.method("to", whole, torch.uint8), lay.dim))
+    found = em.call(torch.nonzero, whole, as_tuple=True)
+    picks = [em.call(operator.getitem, found, j) for j in range(m)]
+    picks[s.dim - at] = _owned_rows(em, picks[s.dim - at], wrap=False)
+    new_index = tuple(em.value(index[:at])) + tuple(picks) + tuple(em.value(index[at + 1:]))
+    return _owner_reads(em, x, s.dim, lambda ext: em.call(operator.getitem, ext, new_index)), GLOBAL
 
 
 def _plain_seq(em: Any, x: fx.Node, s: Optional[Sharded]) -> bool:

@@ -204,8 +204,6 @@ def sort_whole(em: Emitter, node: fx.Node):
     """``sort`` / ``argsort`` along the sequence of per-token scalars (the sequence the last dim):
     the shards stacked (``gather_stack``), put in global order, sorted whole on every rank: Global.
     Along another dim: per token, Sharded. Anything else is gathered."""
-    from .... import graph_ops
-
     x = node.args[0]
     a = arguments(node, ("input", "dim"))
     s, d, why = _seq_dim(em, node, a.get("dim", -1))
@@ -215,9 +213,17 @@ def sort_whole(em: Emitter, node: fx.Node):
                      else (Sharded(s.dim, s.inner),) * 2)
     if s is None or why or d != len(global_shape(x)) - 1:
         return _unruled(em, node, f"{_name(node)} along the sequence {why or 'of a tensor with feature dims'}")
-    stacked = em.call(graph_ops.gather_stack, em.env[x], em.ctx.world, em.ctx.group.name)  # (N, ..., c)
-    rank_major = em.method("flatten", em.method("movedim", stacked, 0, d), d, d + 1)  # (..., N·c)
-    whole = em.method("index_select", rank_major, d, em.index.order_inverse()[1])  # (..., S) global order
+    whole = stacked_whole(em, em.env[x], d)
     args, kwargs = em.value((node.args, node.kwargs))
     return em.copy(node, (whole, *args[1:]), kwargs), \
         (GLOBAL if op_vocab.is_(node, {torch.argsort, "argsort"}) else (GLOBAL, GLOBAL))
+
+
+def stacked_whole(em: Emitter, local: fx.Node, d: int) -> fx.Node:
+    """A small Sharded(d) value (per-token scalars, a mask) whole on every rank: every rank's shard stacked
+    by one ``gather_stack`` (backward: reduce-scatter), put in global order, the padding dropped."""
+    from .... import graph_ops
+
+    stacked = em.call(graph_ops.gather_stack, local, em.ctx.world, em.ctx.group.name)  # (N, ..., c, ...)
+    rank_major = em.method("flatten", em.method("movedim", stacked, 0, d), d, d + 1)  # (..., N·c, ...)
+    return em.method("index_select", rank_major, d, em.index.order_inverse()[1])  # (..., S, ...) global order
