@@ -173,6 +173,28 @@ def test_explain_shows_no_gather(head: str, world: int) -> None:
     assert not [n for n in r.after.graph.nodes if "gather_seq" in str(n.target)], r.after.code
 
 
+@pytest.mark.parametrize("load_balance, world", [("contiguous", 2), ("striped", 4)])
+def test_other_layouts_show_no_gather(load_balance: str, world: int) -> None:
+    from cp_compile.tools.explain import explain_model
+
+    ids, x = _inputs(15)
+    for head in HEADS:
+        torch.manual_seed(0)
+        r = explain_model(Reads(head), (ids, x), world_size=world, load_balance=load_balance)
+        assert r.ctx.record.fallbacks == [], (head, r.ctx.record.fallbacks)
+
+
+def test_a_symbolic_length_is_gathered_and_warned() -> None:
+    """Under dynamic=True the rules fall back (warned), also where the result's size is found by data."""
+    from cp_compile.tools.explain import explain_model
+
+    ids, x = _inputs(15)
+    for head, op in (("extrema", "max under a symbolic"), ("masked", "indexing with tensors")):
+        torch.manual_seed(0)
+        r = explain_model(Reads(head), (ids, x), world_size=2, dynamic=True)
+        assert any(op in f for f in r.ctx.record.fallbacks), (head, r.ctx.record.fallbacks)
+
+
 class Flattened(nn.Module):
     """argmax over tokens flattened with the batch (B·S): not a reduction over one sequence."""
 

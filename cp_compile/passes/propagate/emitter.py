@@ -151,6 +151,8 @@ class Emitter:
         new = self.copy(node, args, kwargs)
         if mutates(node) and node.args and node.args[0] in gathered:
             return self._written_whole(node, new, gathered[node.args[0]])
+        if _data_dependent(node):  # a size found by data (x[mask]): never the gathered inputs' shape
+            return new, GLOBAL
         dims = {self.layout(a).dim for a in sharded if global_shape(a) == global_shape(node)}
         if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded):
             self.env[node] = new  # to_sharded reads the whole value from env
@@ -191,3 +193,11 @@ def _floating(node: fx.Node) -> bool:
     """Whether ``node`` returns a floating-point tensor (activations: a whole one costs memory)."""
     flat, _ = tree_flatten(fake_value(node))
     return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in flat)
+
+
+def _data_dependent(node: fx.Node) -> bool:
+    """Whether ``node``'s result has a size found by data (Dynamo's unbacked symbols: ``x[mask]``)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    flat, _ = tree_flatten(fake_value(node))
+    return any(isinstance(t, torch.Tensor) and free_unbacked_symbols(t.shape) for t in flat)
