@@ -78,7 +78,8 @@ def _reads(h, sc, ids):
     g = h.gather(1, pos[None, :, None].expand(h.shape[0], -1, h.shape[2]))
     t = torch.take_along_dim(h, pos[None, :, None], 1)
     last = sc[torch.arange(h.shape[0]), torch.tensor([-1, 3, s - 1])]
-    return _weighted(b) + _weighted(c) + _weighted(g) + _weighted(t) + _weighted(last), ()
+    end = h[torch.arange(h.shape[0]), -1]  # HF's pooling without a pad token: an int with a tensor
+    return _weighted(b) + _weighted(c) + _weighted(g) + _weighted(t) + _weighted(last) + _weighted(end), ()
 
 
 def _masked(h, sc, ids):  # boolean selection of positions: a per-token mask, a whole one over the sequence only
@@ -152,7 +153,8 @@ def _compare_all(lengths: tuple) -> dict:
     return {(head, s): _compare(head, s) for s in lengths for head in HEADS}
 
 
-@pytest.mark.parametrize("world, lengths", [(2, (16, 21)), (4, (15,))])
+@pytest.mark.slow
+@pytest.mark.parametrize("world, lengths", [(2, (16,)), (2, (21,)), (4, (15,))])
 def test_order_reductions_and_reads_are_exact_without_a_gather(ranks, world: int, lengths: tuple) -> None:
     for rank, results in enumerate(ranks.run(world, _compare_all, lengths, timeout=900)):
         for case, r in results.items():
@@ -173,6 +175,7 @@ def test_explain_shows_no_gather(head: str, world: int) -> None:
     assert not [n for n in r.after.graph.nodes if "gather_seq" in str(n.target)], r.after.code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_balance, world", [("contiguous", 2), ("striped", 4)])
 def test_other_layouts_show_no_gather(load_balance: str, world: int) -> None:
     from cp_compile.tools.explain import explain_model
@@ -184,6 +187,7 @@ def test_other_layouts_show_no_gather(load_balance: str, world: int) -> None:
         assert r.ctx.record.fallbacks == [], (head, r.ctx.record.fallbacks)
 
 
+@pytest.mark.slow
 def test_a_symbolic_length_is_gathered_and_warned() -> None:
     """Under dynamic=True the rules fall back (warned), also where the result's size is found by data."""
     from cp_compile.tools.explain import explain_model
@@ -238,6 +242,7 @@ def _hf_seq_cls(model_type: str) -> tuple:
     return model, {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([0, 2, 1])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(HF_SEQ_CLS))
 def test_hf_sequence_classification_pools_without_a_gather(model_type: str) -> None:
     from cp_compile.tools.explain import explain_model
@@ -268,6 +273,7 @@ def _hf_exact(model_type: str) -> dict:
             "fallbacks": list(backend.fallbacks)}
 
 
+@pytest.mark.slow
 def test_hf_llama_sequence_classification_is_exact(ranks) -> None:
     for rank, r in enumerate(ranks.run(2, _hf_exact, "llama", timeout=300)):
         assert r["loss"] <= 1e-5 and r["logits"] <= 1e-5 and r["grads"] <= 1e-5, (rank, r)

@@ -138,9 +138,12 @@ def _read_at(em: Any, node: fx.Node, s: Sharded, index: Optional[tuple]):
         if i is None:
             continue
         if in_dim == s.dim:
-            if not isinstance(i, fx.Node):
+            if type(i) is int:  # logits[arange(B), -1]: this rank's row of position i, or the zero row
+                local = int(_owned_table(em)[i % em.ctx.seq_len])
+            elif isinstance(i, fx.Node):
+                local = _owned_rows(em, em.env[i], wrap=True)
+            else:
                 return None
-            local = _owned_rows(em, em.env[i], wrap=True)
             new_index = tuple(em.value(j) if p != at else local for p, j in enumerate(index))
             return _owner_reads(em, x, s.dim, lambda ext: em.call(operator.getitem, ext, new_index)), GLOBAL
         in_dim += 1
@@ -187,21 +190,21 @@ def _plain_seq(em: Any, x: fx.Node, s: Optional[Sharded]) -> bool:
 def _owned_rows(em: Any, idx: fx.Node, wrap: bool) -> fx.Node:
     """Global positions ``idx`` mapped to this rank's local rows, c (one past the last row) where
     another rank holds the position: ``table[p]``, the table (S,) a constant of this rank."""
-    rank, s, c = em.ctx.group.rank, em.ctx.seq_len, em.ctx.padded_len // em.ctx.world
-    pos = _rank_positions(em, rank)  # (c,) padding included
-    table = torch.full((s,), c, dtype=torch.int64)
-    real = pos < s
-    table[pos[real]] = torch.arange(c)[real]
-    table = em.const(f"_cp_owned_rows{rank}_{s}", table)
+    table = em.const(f"_cp_owned_rows{em.ctx.group.rank}_{em.ctx.seq_len}", _owned_table(em))
     if wrap:  # x[:, -1] with a tensor: position S - 1
-        idx = em.call(torch.where, em.call(operator.lt, idx, 0), em.call(operator.add, idx, s), idx)
+        idx = em.call(torch.where, em.call(operator.lt, idx, 0), em.call(operator.add, idx, em.ctx.seq_len), idx)
     return em.call(operator.getitem, table, idx)
 
 
-def _rank_positions(em: Any, rank: int) -> torch.Tensor:
+def _owned_table(em: Any) -> torch.Tensor:
+    """(S,) int64: this rank's local row of each global position, c where another rank holds it."""
     from ....sequence import rank_positions
 
-    return rank_positions(em.ctx.padded_len, em.ctx.world, rank, em.ctx.options.load_balance)
+    s, c = em.ctx.seq_len, em.ctx.padded_len // em.ctx.world
+    pos = rank_positions(em.ctx.padded_len, em.ctx.world, em.ctx.group.rank, em.ctx.options.load_balance)
+    table, real = torch.full((s,), c, dtype=torch.int64), pos < s
+    table[pos[real]] = torch.arange(c)[real]
+    return table
 
 
 def _owner_reads(em: Any, x: fx.Node, d: int, read: Any) -> fx.Node:

@@ -150,7 +150,8 @@ def argext(em: Emitter, node: fx.Node):
 def extremum(em: Emitter, node: fx.Node):
     """``max`` / ``min`` with a dim along the sequence: (values, global positions), Global. The
     elementwise form ``torch.max(a, b)`` and the whole reduction ``x.max()`` are not these rules'."""
-    if len(node.args) > 1 and isinstance(node.args[1], fx.Node) or "other" in node.kwargs:
+    second = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    if isinstance(fake_value(second) if isinstance(second, fx.Node) else None, torch.Tensor):
         from .pointwise import pointwise
 
         return pointwise(em, node)  # torch.max(a, b): elementwise
