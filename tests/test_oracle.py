@@ -56,7 +56,7 @@ PER_TOKEN = {  # name -> (op, what the hand table must not list)
     "normalize_features": (lambda m, x: F.normalize(x, dim=-1), F.normalize),
     "flip_features": (lambda m, x: x.flip(-1), ("method", "flip")),
     "baddbmm_heads": (_baddbmm, torch.baddbmm),
-    "topk_features": (lambda m, x: x.topk(4, dim=-1).values.repeat(1, 1, 2), ("method", "topk")),
+    "amax_features": (lambda m, x: x - x.amax(-1, keepdim=True), ("method", "amax")),  # (topk has a rule: order.py)
     "cummax_features": (lambda m, x: x.cummax(-1).values, ("method", "cummax")),
     "cumsum_features": (lambda m, x: x.cumsum(-1), ("method", "cumsum")),
     # in place on a sharded destination, along the features (DeepSeek-V3's group mask: mask.scatter_(1, idx, 1))
@@ -75,7 +75,7 @@ MIXING = {
     "normalize_seq": lambda m, x: F.normalize(x, dim=1),
     "softmax_seq": lambda m, x: x.softmax(1),
     "flip_seq": lambda m, x: x.flip(1),
-    "topk_seq": lambda m, x: x.topk(4, dim=1).values.repeat(1, 4, 1),
+    "amax_seq": lambda m, x: x - x.amax(1, keepdim=True),  # (topk over the sequence has a rule: order.py)
     "conv1d_kernel_3_seq": lambda m, x: F.conv1d(x.transpose(1, 2), m.table[:D, :, None].expand(D, D, 3),
                                                  padding=1).transpose(1, 2),
 }
