@@ -63,8 +63,9 @@ SLOW = {
         # with group-limited routing.
         "deepseek_v3": "ring",
         # Sequence classification: the last non-pad token, found by an argmax over the sequence
-        # (mixes tokens: gathered, warned), its logits picked per row; MLA and MoE underneath.
-        "mistral4": "ring + gathers",
+        # (each rank's candidates, finished over the ranks: rules/order.py), its logits read from the
+        # rank holding the row (rules/getitem.py); MLA and MoE underneath.
+        "mistral4": "ring",
     },
 }
 
