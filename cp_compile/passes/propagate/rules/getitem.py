@@ -6,6 +6,10 @@
         = all_reduce_sum(where(positions == i, x, 0).sum(1))   O(B·D) traffic, no gather of x
     ids (B, S/N) Sharded(1)   ids[:, 1:]      -> (B, S-1) Global: the whole input every rank was passed
     cos (P, D) Global         cos[ids]        -> (B, S/N, D) Sharded(1): a whole table read at this rank's ids
+    x (B, S/N, D) Sharded(1)  x[arange(B), idx] / x[:, idx] / x[arange(B), -1]  (idx Global, global positions)
+                              -> Global = all_reduce_sum(cat(x, zero row)[.., owned_rows[idx]])
+    x (B, S/N, D) Sharded(1)  x[mask], mask (B, S) Global or Sharded(1) -> (n, D) Global: x[nonzero(mask)] as above
+    x (B, S/N, D) Sharded(1)  gather / index_select / take_along_dim along 1, idx Global -> Global, the same way
     x (B, S/N, D) Sharded(1)  x[:, 1:5]       -> gather, then index (fallback, warned)
 
 Picking one position: the rank holding global position ``i`` contributes its row, every
@@ -13,6 +17,14 @@ other rank zeros, and the sum over the group is that row, exactly (a sum of one 
 and zeros). The all-reduce's backward hands each rank the gradient of its share, so the
 row's gradient lands on the rank that holds it. Bool values (which ``sum`` would turn
 into integers) are gathered instead.
+
+Reading positions chosen by data generalises this: each requested global position p becomes this
+rank's local row of p, or row c of the shard extended by one zero row along the sequence when another
+rank holds p; the same indexing op runs on the extended shard, and the sum over the group gives
+every element from its owner, exactly; the gradient of each read row lands on its owner's row
+(duplicates accumulate, as in one process). A boolean mask is read through its nonzero indices (a
+size found by data); a per-token mask (``ids == eos``) is first made whole by one ``gather_stack``
+of its bytes (logged at INFO, not a fallback: it holds no activations). Static S only.
 
 Slicing a sequence input that every rank was passed whole (``inputs="full"``; labels
 ``idx[:, 1:]`` when the model reads its targets from the token ids) slices that whole
