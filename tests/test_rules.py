@@ -259,6 +259,7 @@ _SAMPLES: dict = {  # rule key -> (args, kwargs); _p(name) is the placeholder of
     **{k: ((_p("x"), 1, _p("pos")), {}) for k in (torch.index_select, ("method", "index_select"))},
     **{k: ((_p("x"), 1, _p("pos3")), {}) for k in (torch.gather, ("method", "gather"))},
     **{k: ((_p("x"), _p("pos3"), 1), {}) for k in (torch.take_along_dim, ("method", "take_along_dim"))},
+    **{k: ((_p("x"), -1, 0, 2), {}) for k in (torch.narrow, ("method", "narrow"))},
 }
 _NOT_SWEPT = {  # rule key name -> why it has no sample here, and where it is tested
     "scaled_dot_product_attention_with_scores": "needs a score_fn submodule (tests/test_attention_forms.py)",

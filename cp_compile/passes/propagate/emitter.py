@@ -96,18 +96,40 @@ class Emitter:
             "Fix: torch.compile(model, backend='ring_cp', dynamic=False)."
         )
 
-    def valid_mask(self, old: fx.Node, local: fx.Node, dim: int, inner: int) -> Optional[fx.Node]:
-        """Bool mask broadcastable to ``local`` (old's sharded value): False at padding rows, or None."""
+    def valid_mask(self, old: fx.Node, local: fx.Node, dim: int, inner: int,
+                   window: Optional[Tuple[int, int]] = None) -> Optional[fx.Node]:
+        """Bool mask broadcastable to ``local`` (old's sharded value): False at padding rows and, for a
+        windowed value (``window``, else old's own layout's), at the rows outside its window; or None."""
         shape = global_shape(old)
-        return self.index.valid(local, len(shape), dim, inner, shape[dim])
+        lay = self.layout(old)
+        window = window or (lay.window if isinstance(lay, Sharded) else None)
+        if window is None:
+            return self.index.valid(local, len(shape), dim, inner, shape[dim])
+        a, n = window  # windows exist under a static S only (rules/getitem.py): a constant (c,) mask
+        pos = self.ctx.positions()
+        mask = ((pos >= a) & (pos < a + n)).reshape([-1 if d == dim else 1 for d in range(len(shape))])
+        return self.const(f"_cp_window_{a}_{n}_{dim}_{len(shape)}", mask)
 
-    def to_sharded(self, old: fx.Node, dim: int, inner: int = 1) -> fx.Node:
-        """A Global value indexed by this rank's positions along ``dim`` (memoised)."""
-        key = (old, dim, inner)
+    def to_sharded(self, old: fx.Node, dim: int, inner: int = 1,
+                   window: Optional[Tuple[int, int]] = None) -> fx.Node:
+        """A Global value indexed by this rank's positions along ``dim`` (memoised). With a ``window``
+        (a, n) (old has size n there, one entry per window index): position p reads entry p - a,
+        clamped into [0, n) (the rows outside the window are don't-care)."""
+        key = (old, dim, inner) if window is None else (old, dim, inner, window)
         if key not in self._memo:
+            if window is not None:
+                a, n = window
+                idx = self.const(f"_cp_window_index_{a}_{n}", (self.ctx.positions() - a).clamp(0, n - 1))
+                self._memo[key] = self.method("index_select", self.env[old], dim, idx)
+                return self._memo[key]
             size = global_shape(old)[dim] if self.ctx.seq_sym is None else self.method("size", self.env[old], dim)
             self._memo[key] = self.method("index_select", self.env[old], dim, self.index.index(size, inner))
         return self._memo[key]
+
+    def windowed(self, arg: Any) -> bool:
+        """Whether ``arg`` is a windowed Sharded value (a slice of the sequence: rules/getitem.py)."""
+        lay = self.layout(arg)
+        return isinstance(lay, Sharded) and lay.window is not None
 
     def to_global(self, old: fx.Node) -> fx.Node:
         """A Sharded value gathered to the full sequence on every rank."""
@@ -115,6 +137,10 @@ class Emitter:
         if not isinstance(lay, Sharded):
             return self.env[old]
         order, inverse = self.index.order_inverse()  # inverse drops the padding positions
+        if lay.window is not None:  # (B, c, D) -> gather (B, S, D) -> narrow to the window (B, n, D)
+            whole = self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
+                              self.ctx.group.name)
+            return self.method("narrow", whole, lay.dim, *lay.window)
         outer = global_shape(old)[lay.dim] // (self.ctx.seq_len * lay.inner)
         if lay.inner == 1 and outer == 1:
             return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
@@ -154,7 +180,8 @@ class Emitter:
         if _data_dependent(node):  # a size found by data (x[mask]): never the gathered inputs' shape
             return new, GLOBAL
         dims = {self.layout(a).dim for a in sharded if global_shape(a) == global_shape(node)}
-        if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded):
+        windowed = any(self.windowed(a) for a in sharded)  # its length is not S: to_sharded cannot re-shard it
+        if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded) and not windowed:
             self.env[node] = new  # to_sharded reads the whole value from env
             (dim,) = dims
             return self.to_sharded(node, dim), Sharded(dim)
@@ -184,8 +211,9 @@ class Emitter:
                 "torch.cat) or report this model pattern.")
         lay = self.layout(dest)
         self.env[dest] = whole  # to_sharded reads the whole value from env
-        self._memo.pop((dest, lay.dim, lay.inner), None)
-        self.env[dest] = self.to_sharded(dest, lay.dim, lay.inner)
+        self._memo.pop((dest, lay.dim, lay.inner) if lay.window is None else (dest, lay.dim, lay.inner, lay.window),
+                       None)
+        self.env[dest] = self.to_sharded(dest, lay.dim, lay.inner, lay.window)
         return new, GLOBAL
 
 

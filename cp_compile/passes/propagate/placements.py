@@ -6,6 +6,7 @@ Every tensor value of a rewritten graph has one layout:
 |-----------------|-----------------------------------------------------------------------|
 | ``GLOBAL``      | the same full value on every rank (weights, positions, a gathered tensor, the loss) |
 | ``Sharded(d, inner)`` | this rank's tokens along dim d, in load-balanced order. ``inner`` > 1 when d is a merged dim whose index is ``outer * (c * inner) + token * inner + rest`` (e.g. logits viewed (B*S, V): inner = 1; (B, S*H) would be inner = H) |
+| ``Sharded(d, 1, window=(a, n))`` | a slice ``x[:, a:a+n]`` of a Sharded value (rules/getitem.py): global index i along d is the S-layout position p = i + a; this rank keeps its c rows at its positions (no copy); rows with p outside [a, a+n) are invalid (don't-care), masked by ``em.valid_mask`` like padding. Only the rules in ``registry.WINDOW_AWARE`` see one (the walk gathers it for any other) |
 | ``Local(d, token, rows)`` | rows along dim d are a data-dependent selection of this rank's tokens (``torch.where`` / ``nonzero`` on a Sharded mask, ``sort`` of Sharded expert ids: MoE routing), in no global order; ``token = (size, inner)`` when the values are indices into this rank's rows of a Sharded dim of that global size and inner; ``rows`` names the selection; d None: a per-rank summary of it (counts per expert) (rules/routing.py) |
 
 One could tell a replicated value from a full-sequence one (``Replicated`` vs ``Full(d)``);
@@ -36,6 +37,11 @@ class Sharded:
 
     dim: int
     inner: int = 1
+    window: Optional[Tuple[int, int]] = None  # (a, n): global index i along dim is S-layout position i + a
+
+    def moved(self, dim: int) -> "Sharded":
+        """The same tokens (and window) along another dim."""
+        return Sharded(dim, self.inner, self.window)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,13 @@
                               -> Global = all_reduce_sum(cat(x, zero row)[.., owned_rows[idx]])
     x (B, S/N, D) Sharded(1)  x[mask], mask (B, S) Global or Sharded(1) -> (n, D) Global: x[nonzero(mask)] as above
     x (B, S/N, D) Sharded(1)  gather / index_select / take_along_dim along 1, idx Global -> Global, the same way
-    x (B, S/N, D) Sharded(1)  x[:, 1:5]       -> gather, then index (fallback, warned)
+    x (B, S/N, D) Sharded(1)  x[:, 1:5]       -> (B, S/N, D) Sharded(1, window=(1, 4)): the same local rows,
+                                                 rows outside positions [1, 5) invalid (no copy, no gather)
+    x.narrow(1, 1, 4)                         -> the same
+    x[:, ::2], x[:, 1:] under a symbolic S  -> gather, then index (fallback, warned)
+
+A window (placements.py) is read only by the rules marked ``@window_aware`` (pointwise, per-token,
+views keeping the dim, sum/mean, losses); the walk gathers it for any other op (rules/table.py).
 
 Picking one position: the rank holding global position ``i`` contributes its row, every
 other rank zeros, and the sum over the group is that row, exactly (a sum of one value
@@ -42,16 +48,20 @@ import torch.fx as fx
 from ...context import fake_value, global_shape, log, source_line
 from ...op_vocab import arguments
 from ..placements import GLOBAL, Sharded
-from .registry import register_rule
+from .common import _flat_args
+from .registry import register_rule, window_aware
 
 
+@window_aware
 @register_rule(operator.getitem)
 def getitem(em: Any, node: fx.Node):
-    """``x[idx]`` with basic indexing: Sharded unless the sequence dim is sliced to less than all of it."""
+    """``x[idx]`` with basic indexing: Sharded (a slice of the sequence dim: windowed)."""
     x, index = node.args
     s = em.layout(x)
     index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(global_shape(x)))
     if index is None or any(isinstance(i, fx.Node) for i in index):
+        if any(em.windowed(a) for a in _flat_args(node)):
+            return em.fallback(node, "indexing a slice of the sequence with tensors")
         looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else \
             _read_at(em, node, s, index) or _read_masked(em, node, s, index)
         return looked_up if looked_up is not None else em.fallback(node, "indexing with tensors on a sharded value")
@@ -62,17 +72,61 @@ def getitem(em: Any, node: fx.Node):
             continue
         if in_dim == s.dim:
             if _covers(i, global_shape(x)[in_dim], em.ctx.seq_sym is not None):
-                return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim, s.inner)
+                return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim)
             if type(i) is int and s.inner == 1 and node.meta.get("example_value", None) is not None \
                     and node.meta["example_value"].dtype is not torch.bool:
                 return _pick_position(em, x, s, index, at, i), GLOBAL
             whole = em.whole_input(x)
             if whole is not None:  # every rank was passed this input whole: slice that, no communication
                 return em.copy(node, (whole, em.value(node.args[1])), {}), GLOBAL
-            return em.fallback(node, f"slicing the sequence dim with {i!r}")
+            window = _window(em, x, s, i)
+            if window is None:
+                return em.fallback(node, f"slicing the sequence dim with {i!r}")
+            local_index = tuple(em.value(index[j]) if j != at else slice(None) for j in range(len(index)))
+            return em.copy(node, (em.env[x], local_index), {}), Sharded(out_dim, 1, window)
         out_dim += 0 if isinstance(i, int) else 1
         in_dim += 1
-    return em.copy(node, (em.env[x], em.value(node.args[1])), {}), Sharded(out_dim + s.dim - in_dim, s.inner)
+    return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim + s.dim - in_dim)
+
+
+@window_aware
+@register_rule(torch.narrow, "narrow")
+def narrow(em: Any, node: fx.Node):
+    """``x.narrow(d, start, length)``: ``x[..., start:start + length]`` along d, as :func:`getitem` slices.
+
+        x (B, S/N, D) Sharded(1)  x.narrow(1, 1, S - 1)  -> (B, S/N, D) Sharded(1, window=(1, S - 1))
+        x (B, S/N, D) Sharded(1)  x.narrow(2, 0, 4)      -> (B, S/N, 4) Sharded(1)
+    """
+    a = arguments(node, ("input", "dim", "start", "length"))
+    x, s = a["input"], em.layout(a["input"])
+    dim, start, length = a.get("dim"), a.get("start"), a.get("length")
+    if not isinstance(s, Sharded) or not all(type(v) is int for v in (dim, start, length)):
+        return em.fallback(node, "narrow with bounds that are not ints")
+    d = dim % len(global_shape(x))
+    if d != s.dim:
+        return em.copy(node, *em.value((node.args, node.kwargs))), s
+    size = global_shape(x)[d]
+    i = slice(start % size if start < 0 else start, (start % size if start < 0 else start) + length)
+    if _covers(i, size, em.ctx.seq_sym is not None):
+        return em.copy(node, *em.value((node.args, node.kwargs))), s
+    window = _window(em, x, s, i)
+    if window is None:
+        return em.fallback(node, f"narrow of the sequence dim to {i!r}")
+    return em.method("narrow", em.env[x], d, 0, em.ctx.padded_len // em.ctx.world), Sharded(d, 1, window)
+
+
+def _window(em: Any, x: fx.Node, s: Sharded, i: Any) -> Optional[tuple]:
+    """The window (a, n) of ``x[..., i]`` for a slice ``i`` of the sequence dim with int bounds and step 1
+    (a window of a windowed x composes: its offset added), or None: a symbolic or runtime layout, merged
+    tokens, a step, an empty slice (gathered instead)."""
+    if not isinstance(i, slice) or not all(v is None or type(v) is int for v in (i.start, i.stop, i.step)) \
+            or i.step not in (None, 1) or s.inner != 1 or em.index.runtime:
+        return None
+    a0, size = s.window if s.window is not None else (0, em.ctx.seq_len)
+    if global_shape(x)[s.dim] != size:
+        return None  # tokens merged with other dims along this one (B·S rows)
+    r = range(size)[i]
+    return (a0 + r.start, len(r)) if len(r) > 0 else None
 
 
 def _table_lookup(em: Any, node: fx.Node, index: Optional[tuple]):
@@ -101,7 +155,10 @@ def _pick_position(em: Any, x: fx.Node, s: Sharded, index: tuple, at: int, i: in
     """``x[index]`` where ``index[at]`` is the int ``i`` on the sequence dim ``s.dim`` (see the module doc)."""
     from .... import graph_ops
 
-    pos = i if i >= 0 else em.index.op(operator.add, em.index.S(), i)  # a global position in [0, S)
+    if s.window is not None:  # x[:, i] of a window (a, n): S-layout position a + i
+        pos = s.window[0] + i % s.window[1]
+    else:
+        pos = i if i >= 0 else em.index.op(operator.add, em.index.S(), i)  # a global position in [0, S)
     nd = len(global_shape(x))
     mine = em.call(operator.eq, em.index.positions(em.ctx.group.rank), pos)  # (c,) bool: this rank holds i there
     mine = em.method("view", mine, *[-1 if d == s.dim else 1 for d in range(nd)])

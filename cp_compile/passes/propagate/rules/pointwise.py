@@ -20,28 +20,35 @@ from ...op_vocab import EMBEDDING, NORMS, PER_TOKEN, POINTWISE, SOFTMAXES, argum
 from ..emitter import Emitter
 from ..placements import Sharded
 from .common import _flat_args, _map, _name, _ndim, _norm, _sharded
-from .registry import register_rule
+from .registry import register_rule, window_aware
 
+@window_aware
 @register_rule(*(POINTWISE - {torch.where}))  # torch.where: the selection form too (routing.py)
 def pointwise(em: Emitter, node: fx.Node):
-    """Elementwise on broadcast operands: the sharded dim aligned; whole operands with size S there indexed."""
+    """Elementwise on broadcast operands: the sharded dim aligned; whole operands with size S there indexed.
+
+    Windowed operands (slices of the sequence) must share one window (a, n) (``h[:, 1:] - h[:, :-1]``
+    pairs position p with p - 1: gathered); a whole operand of size n there is read at p - a."""
     out_nd = _ndim(node)
     tensors = [a for a in _flat_args(node) if isinstance(a, fx.Node) and global_shape(a) is not None]
-    targets = {(s.dim + out_nd - _ndim(a), s.inner) for a in tensors if (s := _sharded(em, a))}
+    targets = {(s.dim + out_nd - _ndim(a), s.inner, s.window) for a in tensors if (s := _sharded(em, a))}
     if len(targets) != 1:
-        return em.fallback(node, "sharded operands along different dims")
-    out_dim, inner = targets.pop()
+        windows = {t[2] for t in targets}
+        return em.fallback(node, "sharded operands along different dims" if len(windows) == 1 else
+                           f"slices of the sequence with different windows {sorted(windows, key=str)} combined")
+    out_dim, inner, window = targets.pop()
     converted: Dict[fx.Node, Any] = {}
     for a in tensors:
         if _sharded(em, a):
             continue
         d = out_dim - (out_nd - _ndim(a))
         if d >= 0 and global_shape(a)[d] != 1:
-            converted[a] = em.to_sharded(a, d, inner)  # one entry per position: take this rank's
+            converted[a] = em.to_sharded(a, d, inner, window)  # one entry per position: take this rank's
     args, kwargs = _map(em, node, converted)
-    return em.copy(node, args, kwargs), Sharded(out_dim, inner)
+    return em.copy(node, args, kwargs), Sharded(out_dim, inner, window)
 
 
+@window_aware
 @register_rule(*PER_TOKEN)
 def per_token(em: Emitter, node: fx.Node):
     """First argument carries the tokens; the rest are Global weights; trailing dims are features."""

@@ -17,11 +17,12 @@ import torch.fx as fx
 from ...context import fake_value, global_shape
 from ...op_vocab import arguments
 from ..emitter import Emitter
-from ..placements import GLOBAL, Sharded
+from ..placements import GLOBAL
 from .common import _name, _ndim, _norm, _sharded
-from .registry import register_rule
+from .registry import register_rule, window_aware
 
 
+@window_aware
 @register_rule("sum", "mean", torch.sum, torch.mean)
 def reduction(em: Emitter, node: fx.Node):
     """sum / mean: over other dims Sharded; over the sequence the local sums all-reduced -> Global."""
@@ -32,16 +33,16 @@ def reduction(em: Emitter, node: fx.Node):
     dims = list(range(nd)) if dim is None else [_norm(d, nd) for d in dim]
     if s.dim not in dims:
         shift = 0 if keep else sum(1 for d in dims if d < s.dim)
-        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim - shift, s.inner)
+        return em.copy(node, *em.value((node.args, node.kwargs))), s.moved(s.dim - shift)
     if name not in ("sum", "mean") or a.get("dtype") is not None or set(a) - {"input", "dim", "keepdim", "dtype"}:
         return em.fallback(node, f"{name} over the sequence dim")
-    mask = em.valid_mask(x, em.env[x], s.dim, s.inner)
+    mask = em.valid_mask(x, em.env[x], s.dim, s.inner)  # (a window's: False outside it too)
     zero = 0.0 if fake_value(x).is_floating_point() else 0  # (an int 0: a float one would promote integer sums)
     local = em.env[x] if mask is None else em.call(torch.where, mask, em.env[x], zero)  # padding adds nothing
     total = em.method("sum", local, dims, keep)
-    if name == "mean":  # / global count: the other reduced dims' sizes times S
-        count = em.index.S()  # times outer·inner when the tokens are flattened with other dims (B·S rows)
-        merged = global_shape(x)[s.dim] // em.ctx.seq_len
+    if name == "mean":  # / global count: the other reduced dims' sizes times S (a window's n)
+        count = em.index.S() if s.window is None else s.window[1]  # times outer·inner when the tokens are
+        merged = 1 if s.window is not None else global_shape(x)[s.dim] // em.ctx.seq_len  # flattened (B·S rows)
         count = count if merged == 1 else em.index.op(operator.mul, count, merged)
         for d in dims:
             if d != s.dim:
@@ -70,6 +71,7 @@ def histc(em: Emitter, node: fx.Node):
     return em.call(graph_ops.all_reduce_sum, counts, em.ctx.group.name), GLOBAL
 
 
+@window_aware  # windows exist under a static S only, where the sizes are the global (windowed) shape's
 @register_rule("size")
 def size(em: Emitter, node: fx.Node):
     """``x.size()`` / ``x.size(d)`` of a Sharded x: the *global* sizes (Dynamo emits them under

@@ -7,16 +7,22 @@ A rule is ``rule(em, node) -> (new value, layout)`` for a node with a Sharded in
 looks it up, and imports every module that registers rules). A target registered twice is an
 error at import: two rules for one op would make the table depend on the order of the imports.
 ``None`` targets (ops this torch does not have) are skipped.
+
+A rule that handles windowed Sharded inputs (``Sharded(..., window=(a, n))``, a slice of the sequence:
+rules/getitem.py) says so with ``@window_aware`` (above ``@register_rule``): it then checks the
+window of every Sharded operand, keeps it on its result, and masks the rows outside it wherever it
+masks padding. The walk (:func:`.table.apply_rule`) gathers a windowed input of any other rule first.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Set
 
 from ...op_vocab import rule_key
 from .common import Rule
 
 RULES: Dict[Any, Rule] = {}
+WINDOW_AWARE: Set[Rule] = set()  # the rules that read windowed Sharded values correctly
 
 
 def register_rule(*targets: Any) -> Callable[[Rule], Rule]:
@@ -38,4 +44,10 @@ def register_rule(*targets: Any) -> Callable[[Rule], Rule]:
     return register
 
 
-__all__ = ["RULES", "register_rule"]
+def window_aware(rule: Rule) -> Rule:
+    """Decorator: ``rule`` reads windowed Sharded inputs correctly (see the module docstring)."""
+    WINDOW_AWARE.add(rule)
+    return rule
+
+
+__all__ = ["RULES", "WINDOW_AWARE", "register_rule", "window_aware"]

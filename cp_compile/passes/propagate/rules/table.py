@@ -15,13 +15,19 @@ from . import (  # noqa: F401  (imported for their @register_rule)
     attention, autograd_fn, complex, einsum, fill, flex, getitem, losses, order, pointwise, reductions, routing, views,
     vmap,
 )
-from .common import _key, _name
-from .registry import RULES
+from .common import _flat_args, _key, _name
+from .registry import RULES, WINDOW_AWARE
 from .routing import involves_local, local_rule
 
 
 def apply_rule(em: Emitter, node: fx.Node):
-    """Layout and new value of ``node``, which has at least one Sharded or Local input."""
+    """Layout and new value of ``node``, which has at least one Sharded or Local input.
+
+    An input that is a window of the sequence (a slice ``h[:, 1:]``: rules/getitem.py) reaches only
+    the rules marked ``@window_aware``; for any other op it is gathered (narrowed to its window) and
+    the op runs whole, warned: a rule that assumes S rows must never see n."""
+    if any(em.windowed(a) for a in _flat_args(node)) and RULES.get(_key(node)) not in WINDOW_AWARE:
+        return em.fallback(node, f"{_name(node)} of a slice of the sequence (it has no window-aware rule)")
     if involves_local(em, node):
         return local_rule(em, node)
     rule = RULES.get(_key(node))

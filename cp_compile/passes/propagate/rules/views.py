@@ -17,16 +17,37 @@ from ...op_vocab import FLATTENS, JOINS, PERMUTES, RESHAPES, SPLITS, SQUEEZES, a
 from ..emitter import Emitter
 from ..placements import Sharded, view_placement
 from .common import _name, _ndim, _norm, _sharded
-from .registry import register_rule
+from .registry import register_rule, window_aware
 
 
+def _placement(em: Emitter, node: fx.Node, s: Sharded):
+    """Where ``node`` (a view of its first argument, Sharded ``s``) holds the tokens, or None. A window
+    (a slice of the sequence, n long) must stay a dim of its own: n rows, none merged with other dims."""
+    x = node.args[0]
+    if s.window is None:
+        return view_placement(global_shape(x), global_shape(node), s, em.ctx.seq_len)
+    n = s.window[1]
+    out = view_placement(global_shape(x), global_shape(node), s, n)
+    if out is None or out.inner != 1 or global_shape(node)[out.dim] != n:
+        return None
+    return s.moved(out.dim)
+
+
+def _local_len(em: Emitter, size, out: Sharded):
+    """A size baked into a view along the tokens' dim ``out``, made this rank's."""
+    if out.window is not None:  # windows: static S, the dim is the n rows alone (:func:`_placement`)
+        return em.ctx.padded_len // em.ctx.world
+    return em.index.local_size(size)
+
+
+@window_aware
 @register_rule(*RESHAPES)
 def view(em: Emitter, node: fx.Node):
     """view / reshape: the sequence dim where it lands; a length baked in for the full sequence made local."""
-    x, s = node.args[0], _sharded(em, node.args[0])
-    out = view_placement(global_shape(x), global_shape(node), s, em.ctx.seq_len)
+    s = _sharded(em, node.args[0])
+    out = _placement(em, node, s)
     if out is None:
-        return em.fallback(node, "view that splits the sequence dim")
+        return em.fallback(node, "view that splits the sequence dim (or merges a slice of it with other dims)")
     args = list(em.value(node.args))
     if len(node.args) == 2 and isinstance(node.args[1], fx.Node) and node.args[1].target is torch.Size:
         args[1] = tuple(em.value(node.args[1].args[0]))  # x.view(torch.Size([s0, s1, 192])) (dynamic shapes)
@@ -34,25 +55,27 @@ def view(em: Emitter, node: fx.Node):
     if sizes:  # a shape baked in for the full sequence: make exactly the sequence dim local
         sizes = list(sizes)
         if sizes[out.dim] != -1:
-            sizes[out.dim] = em.index.local_size(sizes[out.dim])
+            sizes[out.dim] = _local_len(em, sizes[out.dim], out)
         args = [args[0], tuple(sizes)] if len(node.args) == 2 and isinstance(args[1], (list, tuple)) \
             else [args[0], *sizes]
     kwargs = dict(em.value(node.kwargs))
     if "shape" in kwargs and kwargs["shape"][out.dim] != -1:
-        kwargs["shape"] = tuple(em.index.local_size(v) if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
+        kwargs["shape"] = tuple(_local_len(em, v, out) if i == out.dim else v for i, v in enumerate(kwargs["shape"]))
     return em.copy(node, tuple(args), kwargs), out
 
 
+@window_aware
 @register_rule(*FLATTENS, *SQUEEZES, "contiguous")
 def shape_only(em: Emitter, node: fx.Node):
     """Ops without size arguments (flatten, squeeze, unsqueeze, contiguous): follow the shapes."""
     s = _sharded(em, node.args[0])
-    out = view_placement(global_shape(node.args[0]), global_shape(node), s, em.ctx.seq_len)
+    out = _placement(em, node, s)
     if out is None:
         return em.fallback(node, f"{_name(node)} that splits the sequence dim")
     return em.copy(node, *em.value((node.args, node.kwargs))), out
 
 
+@window_aware
 @register_rule(*PERMUTES)
 def permute(em: Emitter, node: fx.Node):
     """transpose / swapaxes / swapdims / t / permute / movedim: the sequence dim follows the permutation."""
@@ -70,7 +93,7 @@ def permute(em: Emitter, node: fx.Node):
         src, dst = _norm(a["source"], nd), _norm(a["destination"], nd)
         order = [d for d in range(nd) if d != src]
         order.insert(dst, src)
-    return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(order.index(s.dim), s.inner)
+    return em.copy(node, *em.value((node.args, node.kwargs))), s.moved(order.index(s.dim))
 
 
 @register_rule("expand")
