@@ -106,8 +106,9 @@ def _compare(head: str, s: int) -> dict:
 
     ref_model, cp_model = twin_models(lambda: Slices(head))
     ids, x, tgt, mask = _inputs(s)
-    explained = explain_record(ref_model, (ids, x, tgt, mask), world_size=dist.get_world_size())
-    xr, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    xr, xc = x.clone().requires_grad_(), x.clone().requires_grad_()  # (explain too: a slice of an input
+    explained = explain_record(ref_model, (ids, xr, tgt, mask), world_size=dist.get_world_size())  # needing none
+    # of a gradient slices the whole input every rank was passed)
     ref, ref_outs = ref_model(ids, xr, tgt, mask)
     ref.backward()
     backend = cp_compile.RingCP(inner="aot_eager")
