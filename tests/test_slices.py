@@ -36,7 +36,9 @@ def _vit(m, h, x, ids, tgt, mask):  # timm: average pooling without the prefix t
     pooled = h[:, 1:].mean(1)
     rest = h[:, m.num_prefix_tokens:].mean(dim=1)
     mid = h.narrow(1, 1, s - 2).sum(1)
-    out = m.head(F.layer_norm(pooled, (D,))) + m.head(rest) + m.head(mid)
+    last = h[:, 1:][:, -1]  # one position of a slice: its owner's row, all-reduced
+    heads = h[:, 1:].reshape(B, s - 1, 2, D // 2).sum(-1).mean(1)  # a view keeping the slice's rows: (B, 2)
+    out = m.head(F.layer_norm(pooled, (D,))) + m.head(rest) + m.head(mid) + m.head(last) + heads.sum(-1, True)
     return (out * _w(B, V)).sum(), (pooled, h[:, 1:])  # a windowed output: gathered, then narrowed
 
 
@@ -53,6 +55,7 @@ def _logits(m, h, x, ids, tgt, mask):  # shifted logits outside a loss, and the 
     p = lg[:, :-1].softmax(-1)
     n = p.shape[1]
     loss = (p * _w(1, n, V)).sum() + F.cross_entropy(lg[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+    loss = loss + F.cross_entropy(lg[:, 1:].transpose(1, 2), (mask * 5).long())  # (B, V, S-1), whole labels
     return loss, (p,)
 
 
@@ -65,7 +68,8 @@ def _unaware(m, h, x, ids, tgt, mask):  # ops with no window-aware rule: gathere
     a = h[:, 1:]
     c = a.cumsum(1)
     g = a.transpose(1, 2) @ a  # contracts the slice
-    return (c * _w(1, c.shape[1], D)).sum() + g.square().sum(), (c,)
+    one = h[:, 3:4] * _w(1, h.shape[1], 1)  # a window of one position broadcast to S rows
+    return (c * _w(1, c.shape[1], D)).sum() + g.square().sum() + one.square().sum(), (c,)
 
 
 HEADS = {f.__name__[1:]: f for f in (_vit, _mae, _logits, _diff, _unaware)}
@@ -163,6 +167,12 @@ def test_explain_shows_no_gather(head: str, world: int) -> None:
 def test_a_consumer_without_a_window_aware_rule_is_gathered_and_warned(head: str) -> None:
     r = _explain(head, 2)
     assert any(GATHERED[head] in f for f in r.ctx.record.fallbacks), r.ctx.record.fallbacks
+
+
+def test_each_unaware_consumer_is_named() -> None:
+    fallbacks = _explain("unaware", 4).ctx.record.fallbacks
+    for what in ("cumsum of a slice", "matmul of a slice", "broadcast along its own dim"):
+        assert any(what in f for f in fallbacks), (what, fallbacks)
 
 
 def test_a_symbolic_length_gathers_the_slice() -> None:

@@ -122,8 +122,8 @@ def _output(em: Emitter, node: fx.Node) -> None:
         if not isinstance(old, fx.Node):
             return old
         lay = em.layout(old)
-        if isinstance(lay, Sharded) and ctx.options.outputs == "local":
-            return em.env[old]
+        if isinstance(lay, Sharded) and ctx.options.outputs == "local" and lay.window is None:
+            return em.env[old]  # (a window's rows are not the layout's shard: gathered, narrowed, below)
         if isinstance(lay, Sharded):
             shape, ex = global_shape(old), old.meta.get("example_value")
             nbytes = ex.numel() * ex.element_size() if isinstance(ex, torch.Tensor) else 0
@@ -137,7 +137,8 @@ def _output(em: Emitter, node: fx.Node) -> None:
 
     outs = node.args[0]
     if ctx.options.outputs == "local" and isinstance(outs, (tuple, list)):  # Dynamo's flat output tuple
-        ctx.local_outputs = [i for i, o in enumerate(outs) if isinstance(em.layout(o), Sharded)]
+        ctx.local_outputs = [i for i, o in enumerate(outs) if isinstance(em.layout(o), Sharded)
+                             and em.layout(o).window is None]
     em.graph.output(_map_outputs(outs, finish))
 
 

@@ -37,6 +37,8 @@ def pointwise(em: Emitter, node: fx.Node):
         return em.fallback(node, "sharded operands along different dims" if len(windows) == 1 else
                            f"slices of the sequence with different windows {sorted(windows, key=str)} combined")
     out_dim, inner, window = targets.pop()
+    if window is not None and global_shape(node)[out_dim] != window[1]:  # a window of 1 broadcast to more rows
+        return em.fallback(node, "a slice of the sequence broadcast along its own dim")
     converted: Dict[fx.Node, Any] = {}
     for a in tensors:
         if _sharded(em, a):
