@@ -11,8 +11,9 @@
   ``nn.Parameter``: learned ALiBi slopes, a T5 bias table) under ``ring_cp`` against the same model
   run eagerly on one process: loss and every gradient within 1e-5 (fp32), at 2 ranks with an odd,
   padded length and at 4 ranks; no gather, no fallback, record = explain.
-- The op's contract: the backward's gradient output is there only for the flagged buffers; a mask
-  buffer that requires grad is refused.
+- The op's contract: the backward's gradient output is there only for the flagged buffers (the fake
+  gives the same shapes); a mask buffer that requires grad is refused, and so is a learned tensor a mod
+  captures instead of taking it as a score buffer (its gradient would be dropped).
 """
 
 from __future__ import annotations
@@ -194,6 +195,19 @@ def test_learned_mask_buffer_is_refused():
 
 def _in_width(b, h, q_idx, kv_idx, width):
     return (q_idx - kv_idx).abs() < width[0]
+
+
+def test_learned_tensor_captured_by_a_mod_is_refused():
+    """A learned tensor read from a closure instead of score_buffers would be a constant to the ring (its
+    gradient dropped): refused, naming score_buffers."""
+    q, k, v, _ = (t.float() for t in _inputs(4, 4, 16, 5))
+    slopes = _buffer("alibi", 4).float().requires_grad_()
+
+    def captured(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    with pytest.raises(ValueError, match="requires grad.*Fix: pass it as score_buffers"):
+        cp_compile.ring_attention(q, k, v, causal=True, score_mod=captured)
 
 
 # --------------------------------------------------------------------------- a compiled FlexAttention model
