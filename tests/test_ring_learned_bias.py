@@ -140,6 +140,7 @@ def _errors(per_rank, cases, world: int) -> list:
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_learned_biases_match_explicit_scores_fp64(ranks, world):
     per_rank = ranks.run(world, _rank_cases, CASES, torch.float64, timeout=300)

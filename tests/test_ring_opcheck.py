@@ -75,6 +75,7 @@ def _opcheck_learned_on_rank():
     return {t: str(r) for t, r in res.items() if r != "SUCCESS"}
 
 
+@pytest.mark.slow
 def test_ring_ops_with_a_learned_score_buffer_pass_opcheck(ranks):
     for rank, failures in enumerate(ranks.run(2, _opcheck_learned_on_rank)):
         assert failures == {}, f"rank {rank}: {failures}"
