@@ -57,21 +57,16 @@ PER_TOKEN = {  # name -> (op, what the hand table must not list)
     "flip_features": (lambda m, x: x.flip(-1), ("method", "flip")),
     "baddbmm_heads": (_baddbmm, torch.baddbmm),
     "amax_features": (lambda m, x: x - x.amax(-1, keepdim=True), ("method", "amax")),  # (topk has a rule: order.py)
-    "cummax_features": (lambda m, x: x.cummax(-1).values, ("method", "cummax")),
-    "cumsum_features": (lambda m, x: x.cumsum(-1), ("method", "cumsum")),
     # in place on a sharded destination, along the features (DeepSeek-V3's group mask: mask.scatter_(1, idx, 1))
     "scatter_in_place_features": (lambda m, x: x.clone().scatter_(-1, x.argmax(-1, keepdim=True), 0.0),
                                   ("method", "scatter_")),
     "conv1d_kernel_1": (lambda m, x: F.conv1d(x.transpose(1, 2), m.table[:, :, None][:D]).transpose(1, 2),
                         F.conv1d),  # SqueezeBERT's (B, C, S) 1x1 convolutions: a linear per position
 }
+# The scans (cumsum, cumprod, logcumsumexp, cummax, cummin) have a hand rule (rules/scans.py:
+# tests/test_scans.py); that the oracle alone still stops on one along the sequence written with a
+# negative dim (DTensor compares the dim as written) is tests/test_rules.py's sweep of their samples.
 MIXING = {
-    "cumsum_seq": lambda m, x: x.cumsum(1),
-    # DTensor's scan strategy compared a negative dim as written: these came out per-token
-    "cumsum_seq_negative_dim": lambda m, x: x.cumsum(-2),
-    "cumprod_seq_negative_dim": lambda m, x: torch.cumprod(x, dim=-2),
-    "logcumsumexp_seq_negative_dim": lambda m, x: x.logcumsumexp(-2),
-    "cummax_seq": lambda m, x: x.cummax(1).values,
     "normalize_seq": lambda m, x: F.normalize(x, dim=1),
     "softmax_seq": lambda m, x: x.softmax(1),
     "flip_seq": lambda m, x: x.flip(1),
