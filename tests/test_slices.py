@@ -169,10 +169,13 @@ def test_a_consumer_without_a_window_aware_rule_is_gathered_and_warned(head: str
     assert any(GATHERED[head] in f for f in r.ctx.record.fallbacks), r.ctx.record.fallbacks
 
 
-def test_each_unaware_consumer_is_named() -> None:
-    fallbacks = _explain("unaware", 4).ctx.record.fallbacks
+def test_each_unaware_consumer_is_named_and_a_slice_is_gathered_once() -> None:
+    r = _explain("unaware", 4)
+    fallbacks = r.ctx.record.fallbacks
     for what in ("cumsum of a slice", "matmul of a slice", "broadcast along its own dim"):
         assert any(what in f for f in fallbacks), (what, fallbacks)
+    gathers = [n for n in r.after.graph.nodes if "gather_seq" in str(n.target)]
+    assert len(gathers) == 3, r.after.code  # h[:, 1:] once for its cumsum and its matmul, its transpose, h[:, 3:4]
 
 
 def test_a_symbolic_length_gathers_the_slice() -> None:

@@ -138,9 +138,12 @@ class Emitter:
             return self.env[old]
         order, inverse = self.index.order_inverse()  # inverse drops the padding positions
         if lay.window is not None:  # (B, c, D) -> gather (B, S, D) -> narrow to the window (B, n, D)
-            whole = self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
-                              self.ctx.group.name)
-            return self.method("narrow", whole, lay.dim, *lay.window)
+            key = ("to_global", old)  # once for all its consumers without a window-aware rule
+            if key not in self._memo:
+                whole = self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
+                                  self.ctx.group.name)
+                self._memo[key] = self.method("narrow", whole, lay.dim, *lay.window)
+            return self._memo[key]
         outer = global_shape(old)[lay.dim] // (self.ctx.seq_len * lay.inner)
         if lay.inner == 1 and outer == 1:
             return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
@@ -211,6 +214,7 @@ class Emitter:
                 "would not reach the value it views. Fix: write into a whole tensor (e.g. build it with "
                 "torch.cat) or report this model pattern.")
         lay = self.layout(dest)
+        self._memo.pop(("to_global", dest), None)  # (a window's gathered value: stale after the write)
         self.env[dest] = whole  # to_sharded reads the whole value from env
         self._memo.pop((dest, lay.dim, lay.inner) if lay.window is None else (dest, lay.dim, lay.inner, lay.window),
                        None)
