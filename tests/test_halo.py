@@ -130,11 +130,22 @@ def _run(kind: str, s: int, dtype: torch.dtype, **options: Any) -> dict:
     loss, h = torch.compile(cp_model, backend=backend, fullgraph=True)(xc)
     loss.backward()
     assert backend.records == [explained], (backend.records, explained)
-    errors = grad_errors(cp_model, ref_model)
+    errors = grad_errors(cp_model, ref_model, truth=_fp64_grads(ref_model, x) if dtype == torch.float32 else None)
     return {"case": (kind, s, str(dtype), options), "out": rel(h.detach(), ref_h.detach()),
             "loss": rel(loss.detach(), ref_loss.detach()), "x": rel(xc.grad, xr.grad),
             "grads": max(errors.values()), "fallbacks": list(backend.fallbacks),
             "every_grad": len(errors) == len(list(cp_model.parameters()))}
+
+
+def _fp64_grads(model: nn.Module, x: torch.Tensor) -> dict:
+    """The float64 gradients of (a copy of) ``model`` at ``x``: the truth a float32 gradient of cancelling
+    terms is judged against (examples/_exact.py)."""
+    import copy
+
+    twin = copy.deepcopy(model).double()
+    twin.zero_grad()
+    twin(x.double())[0].backward()
+    return {n: p.grad for n, p in twin.named_parameters() if p.grad is not None}
 
 
 def _cases(world: int) -> list:
@@ -197,3 +208,31 @@ class _Loss(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner.attend(self.inner(x))
+
+
+class _Refused(nn.Module):
+    """One convolution along the sequence that the halo cannot do (the output's length is not S, or the
+    halo is wider than a rank's run), before an attention."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.attend = kind, _Attend()
+        stride = kind == "stride"
+        self.conv = nn.Conv1d(D, D, 9 if kind == "wide" else 3, stride=2 if stride else 1, padding=int(stride))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.transpose(1, 2)
+        if self.kind == "stride":  # (B, C, S/2): not the sequence any more
+            return self.attend(F.interpolate(self.conv(t), scale_factor=2).transpose(1, 2))
+        if self.kind == "wide":  # causal, K = 9: 8 tokens of halo, a zig-zag run of 4 at S = 16
+            return self.attend(self.conv(F.pad(t, (8, 0))).transpose(1, 2))
+        return self.attend(self.conv(F.pad(t, (1, 2))).transpose(1, 2)[:, :-1])  # S + 1 long, then sliced
+
+
+@pytest.mark.parametrize("kind,why", [("stride", "stride"), ("wide", "wider than a rank's run"),
+                                      ("long", "padded by (1, 2)")])
+def test_what_the_halo_cannot_do_is_gathered_and_named(kind: str, why: str) -> None:
+    torch.manual_seed(0)
+    report = explain_model(_Refused(kind), (torch.randn(B, 16, D),), world_size=2)
+    assert any(why in f for f in report.ctx.fallbacks), report.ctx.fallbacks
+    assert _targets(report, graph_ops.gather_stack) == 0

@@ -108,8 +108,8 @@ def roll(em: Emitter, node: fx.Node):
     at = dims.index(s.dim)
     rest_shifts, rest_dims = shifts[:at] + shifts[at + 1:], dims[:at] + dims[at + 1:]
     local = em.call(torch.roll, em.env[x], rest_shifts, rest_dims) if rest_dims else em.env[x]
-    if type(shifts[at]) is not int:
-        return em.fallback(node, "roll along the sequence by a computed shift")
+    if type(shifts[at]) is not int or em.ctx.seq_sym is not None:
+        return em.fallback(node, "roll along the sequence by a computed shift, or of a symbolic length")
     if em.ctx.padded:
         return em.fallback(node, f"roll along a sequence padded from {em.ctx.seq_len} to {em.ctx.padded_len} "
                                  "tokens (its wrap would have to skip the padding; a length divisible by 2N has none)")
