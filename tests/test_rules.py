@@ -57,6 +57,7 @@ ROWS: dict = {
     "getitem_features": (lambda m, x: x[..., : D // 2].repeat(1, 1, 2), "getitem",
                          operator.getitem, (2, C, D // 2)),
     "mean_over_sequence": (lambda m, x: x + x.mean(1, keepdim=True), "reductions", "mean", (2, 1, D)),  # Global
+    "cumsum_over_sequence": (lambda m, x: x.cumsum(1), "scans", "cumsum", (2, C, D)),  # run totals, no gather
     "einsum": (lambda m, x: torch.einsum("bsd,de->bse", x, m.w), "einsum", torch.einsum, (2, C, D)),
     "local_response_norm": (lambda m, x: F.local_response_norm(x.transpose(1, 2), 3).transpose(1, 2), "pointwise",
                             F.local_response_norm, (2, D, C)),
@@ -241,6 +242,9 @@ _SAMPLES: dict = {  # rule key -> (args, kwargs); _p(name) is the placeholder of
     ("method", "size"): ((_p("x"), 1), {}),
     **{k: ((_p("x"), -1), {}) for k in (("method", "sum"), ("method", "mean"), torch.sum, torch.mean)},
     **{k: ((_p("x"), 4, -1.0, 1.0), {}) for k in (torch.histc, ("method", "histc"))},
+    **{k: ((_p("x"), 1), {}) for k in (torch.cumsum, torch.cumprod, torch.logcumsumexp, torch.cummax, torch.cummin,
+                                       *(("method", m) for m in ("cumsum", "cumprod", "logcumsumexp", "cummax",
+                                                                 "cummin")))},
     F.scaled_dot_product_attention: ((_p("q"), _p("q"), _p("q")), {"is_causal": True}),
     torch._C._nn.scaled_dot_product_attention: ((_p("q"), _p("q"), _p("q")), {"is_causal": True}),
     **{k: ((_p("logits"), _p("labels")), {}) for k in (F.cross_entropy, F.nll_loss)},
@@ -334,6 +338,8 @@ _UNDECIDED = {  # ops the oracle gives no verdict for, and why (the rule's verdi
     **{k: "it reads neighbouring tokens (the rule exchanges the runs' boundary tokens)"
        for k in ("conv1d", "seq_conv1d", "seq_shift", "roll")},
     "nonzero": _SELECTS, "argwhere": _SELECTS, "sort": _SELECTS, "argsort": _SELECTS,
+    **dict.fromkeys(("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"),
+                    "a scan along the sequence mixes tokens (the rule combines every rank's run totals)"),
 }
 
 

@@ -5,7 +5,7 @@
 built without a process group, from ``Shard(d)`` on the inputs that carry the sequence:
 
     x (B, S, D) Shard(1) ─ aten.erf ─> Shard(1)              per-token: the output's Shard dim
-    x (B, S, D) Shard(1) ─ aten.cumsum(dim=1) ─> redistribute  token mixing: _Stop
+    x (B, S, D) Shard(1) ─ aten.cumsum(dim=1) ─> redistribute  token mixing: _Stop (inside another op)
     pos (S, D) Replicate + x Shard(0) ─ aten.add ─> wants pos as Shard(0): _Want(pos, 0)
 
 A whole input the propagator wants sharded is reported (:class:`Want`) so the caller can
@@ -194,11 +194,14 @@ def _scan(n: fx.Node, place: Dict[fx.Node, Any]) -> Any:
     """``aten.cumsum`` / ``cumprod`` / ``logcumsumexp(x, dim)``: per-token unless it scans along the
     sequence dim. DTensor's scan strategy compares ``dim`` as written with the Shard dim, so a
     negative dim never matched and the scan came out sharded: each rank a running sum of its own
-    tokens only, silently wrong (Hugging Face Kimi-Linear's ``g.cumsum(dim=-2)`` over the tokens of
-    a (B, H, n_chunks, chunk, D) gate)::
+    tokens only, silently wrong (Hugging Face Kimi-Linear's ``g.cumsum(dim=-2)`` did, before the scans
+    got their hand rule, :mod:`.rules.scans`)::
 
-        x (B, S, D) Shard(1) ─ aten.cumsum(x, -2) ─> _Stop (gathered)      was: Shard(1)
+        x (B, S, D) Shard(1) ─ aten.cumsum(x, -2) ─> _Stop                  was: Shard(1)
         x (B, S, D) Shard(1) ─ aten.cumsum(x, -1) ─> Shard(1)              over the features
+
+    A scan written as such never reaches the oracle now (its rule combines every rank's run totals);
+    this guards a scan inside the decomposition of another op the oracle is asked about.
     """
     from torch.distributed.tensor import Shard
 
