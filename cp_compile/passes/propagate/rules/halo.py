@@ -8,14 +8,17 @@
     x (B, S/N, D) Sharded(1)   torch.roll(x, o, 1)                       -> Sharded(1)
 
 A rank's tokens are k contiguous runs of the global order (``em.index.chunks()``: one run for
-"contiguous", two for zig-zag). Each output run needs its own tokens plus the last L tokens of the
-run before it in global order and the first R of the run after it (zeros beyond the ends, as the
-pad gives; ``roll`` wraps around). So every rank contributes, for each of its runs, its first R and
+"contiguous", two for zig-zag). An output near a run's edge needs the last L tokens of the run
+before it in global order or the first R of the run after it (zeros beyond the ends, as the pad
+gives; ``roll`` wraps around). So every rank contributes, for each of its runs, its first R and
 last L tokens (padding rows zeroed first, so reads past the real end see zeros); one
-``gather_stack`` gives every rank all of them, O(N·k·(L+R)·B·C) values; each run is extended by
-its neighbours' ends and the op runs on it with no padding; the runs' results are concatenated:
+``gather_stack`` gives every rank all of them, O(N·k·(L+R)·B·C) values. The op runs on the local
+tokens as if they were one run (right inside each run), and each run's first L and last R outputs
+are recomputed from a small window and written in place (one local-sized result, no copy per run):
 
-    run j (chunk i):  [ last L of chunk i-1 | run | first R of chunk i+1 ]  -conv1d(padding=0)->  run j's output
+    run j (chunk i):  y = conv1d(local, padding)            right but at the runs' edges
+                      y[first L of run j] = conv1d([last L of chunk i-1 | first L+R of run j])
+                      y[last R of run j]  = conv1d([last L+R of run j | first R of chunk i+1])
 
 The gradient flows through autograd: the gather's backward reduce-scatters each halo's gradient
 back to the rank that owns those tokens. Refused to the gather (warned): a layout without
@@ -123,53 +126,70 @@ def roll(em: Emitter, node: fx.Node):
 
 # -- the halo ---------------------------------------------------------------------------------------------
 def _conv(em: Emitter, node: fx.Node, a: Dict[str, Any], left: int, right: int):
-    """The convolution run on each local run extended by its halo, no padding; the runs concatenated."""
-    x = a["input"]
+    """The convolution on the local tokens as if they were one run (zero padded), then each run's first L and
+    last R outputs, which read the neighbouring runs, recomputed from small windows and written in place."""
+    x, w, b = a["input"], em.value(a["weight"]), em.value(a["bias"])
     dim = _ndim(x) - 1
-    runs = _halo(em, node, x, em.env[x], dim, left, right, circular=False)
-    if isinstance(runs, str):
-        return em.fallback(node, f"conv1d along the sequence: {runs}")
-    w, b = em.value(a["weight"]), em.value(a["bias"])
-    outs = [em.call(torch.conv1d, r, w, b, 1, 0, a["dilation"], a["groups"]) for r in runs]  # (B, C', run)
-    return _joined(em, node, outs, dim), Sharded(dim)
+    conv = lambda t, pad: em.call(torch.conv1d, t, w, b, 1, pad, a["dilation"], a["groups"])  # noqa: E731
+    if left == right == 0:  # a kernel of one token (or dilation 0): per token
+        return _named(node, conv(em.env[x], 0)), Sharded(dim)
+    halo = _halo(em, x, em.env[x], dim, left, right, circular=False)
+    if isinstance(halo, str):
+        return em.fallback(node, f"conv1d along the sequence: {halo}")
+    local, runs, run = halo
+    width, c = max(left, right), run * len(runs)
+    y = conv(local, width)  # (B, C', c + 2·width - L - R): right inside each run, not at its L first / R last
+    if width != left or left != right:
+        y = em.method("narrow", y, dim, width - left, c)  # (B, C', c), a view
+    for start, before, after in runs:  # windows of 2L + R / L + 2R tokens give the boundary outputs
+        if left:
+            window = em.call(torch.cat, [before, em.method("narrow", local, dim, start, left + right)], dim)
+            em.method("copy_", em.method("narrow", y, dim, start, left), conv(window, 0))
+        if right:
+            window = em.call(torch.cat, [em.method("narrow", local, dim, start + run - left - right, left + right),
+                                         after], dim)
+            em.method("copy_", em.method("narrow", y, dim, start + run - right, right), conv(window, 0))
+    return _named(node, y), Sharded(dim)
 
 
 def _shifted(em: Emitter, node: fx.Node, x: fx.Node, local: fx.Node, dim: int, offset: int, circular: bool):
-    """y[p] = x[p - offset] along the sequence dim ``dim``: each run read from its halo-extended copy."""
+    """y[p] = x[p - offset] along the sequence dim ``dim``: the local tokens shifted as one run, then each
+    run's first ``offset`` (or last ``-offset``) rows written from the neighbouring run's end."""
     what = "roll" if circular else "a shift"
     if not _along_length(em, node, x, dim):
         return em.fallback(node, f"{what} along tokens merged with other dims")
-    left, right = max(offset, 0), max(-offset, 0)
-    runs = _halo(em, node, x, local, dim, left, right, circular)
-    if isinstance(runs, str):
-        return em.fallback(node, f"{what} along the sequence: {runs}")
-    length = em.index.chunks()[1]
-    outs = [em.method("narrow", r, dim, left - offset, length) for r in runs]  # ext index p - offset + left
-    return _joined(em, node, outs, dim), Sharded(dim)
+    halo = _halo(em, x, local, dim, max(offset, 0), max(-offset, 0), circular)
+    if isinstance(halo, str):
+        return em.fallback(node, f"{what} along the sequence: {halo}")
+    local, runs, run = halo
+    y = em.call(graph_ops.seq_shift, local, dim, offset)  # right inside each run
+    for start, before, after in runs:
+        if offset > 0:
+            em.method("copy_", em.method("narrow", y, dim, start, offset), before)
+        else:
+            em.method("copy_", em.method("narrow", y, dim, start + run + offset, -offset), after)
+    return _named(node, y), Sharded(dim)
 
 
-def _halo(em: Emitter, node: fx.Node, x: fx.Node, local: fx.Node, dim: int, left: int, right: int,
-          circular: bool) -> Any:
-    """This rank's runs along ``dim``, each extended by the ``left`` tokens before it and the ``right``
-    after it in global order (zeros beyond the ends, or wrapped when ``circular``): a list of nodes,
-    or why it cannot be done (a str)."""
-    if left == right == 0:
-        return [local]
+def _halo(em: Emitter, x: fx.Node, local: fx.Node, dim: int, left: int, right: int, circular: bool) -> Any:
+    """``(local, runs, run)``: the local tokens (padding rows zeroed), and for each of this rank's runs of
+    ``run`` tokens along ``dim`` its start and the ``left`` tokens before it and ``right`` after it in
+    global order (zeros beyond the ends, or wrapped when ``circular``); or why it cannot be done (a str)."""
     found = em.index.chunks()
     if found is None:
         return f"load_balance={em.ctx.options.load_balance!r} holds no contiguous runs of tokens"
     table, run = found
     if not isinstance(run, int):
         return "a symbolic sequence length (compile with dynamic=False)"
-    if max(left, right) > run:
+    if left + right > run:
         return f"a halo of ({left}, {right}) tokens is wider than a rank's run of {run}"
     mask = em.valid_mask(x, local, dim, 1)
     if mask is not None:  # padding rows read as zeros, as the single-device pad gives
         local = em.method("masked_fill", local, em.call(torch.logical_not, mask), 0)
     n, k = table.shape
-    runs = [em.method("narrow", local, dim, j * run, run) for j in range(k)] if k > 1 else [local]
-    mine = [em.call(torch.cat, [em.method("narrow", r, dim, 0, right), em.method("narrow", r, dim, run - left, left)],
-                    dim) for r in runs]  # (.., R + L, ..): first R and last L tokens of each run
+    mine = [em.call(torch.cat, [em.method("narrow", local, dim, j * run, right),
+                                em.method("narrow", local, dim, j * run + run - left, left)], dim)
+            for j in range(k)]  # (.., R + L, ..): the first R and last L tokens of each run
     every = em.call(graph_ops.gather_stack, em.call(torch.stack, mine), n, em.ctx.group.name)  # (N, k, .., R+L, ..)
     every = em.method("flatten", every, 0, 1)  # (N·k, .., R+L, ..): row r·k + j is rank r's run j
     order = torch.argsort(table.reshape(-1))  # global chunk i -> its row
@@ -179,19 +199,18 @@ def _halo(em: Emitter, node: fx.Node, x: fx.Node, local: fx.Node, dim: int, left
     if not circular:  # zeros beyond the ends
         first = last = em.call(torch.zeros_like, first)
     ends = em.call(torch.cat, [last, every, first], 0)  # (N·k + 2, ..): entry i + 1 is chunk i's ends
-    out = []
-    for j, r in enumerate(runs):  # every rank reads ``ends``: the gather is live on all of them
+    runs = []
+    for j in range(k):  # every rank reads ``ends``: the gather is live on all of them
         i = int(table[em.ctx.group.rank, j])
         before = em.method("narrow", em.call(operator.getitem, ends, i), dim, right, left)  # last L of chunk i - 1
         after = em.method("narrow", em.call(operator.getitem, ends, i + 2), dim, 0, right)  # first R of chunk i + 1
-        out.append(em.call(torch.cat, [p for p, w in ((before, left), (r, 1), (after, right)) if w], dim))
-    return out
+        runs.append((j * run, before, after))
+    return local, runs, run
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
-def _joined(em: Emitter, node: fx.Node, outs: List[fx.Node], dim: int) -> fx.Node:
-    """The runs' results concatenated along ``dim``: ``node``'s value (its meta: global value, source line)."""
-    out = outs[0] if len(outs) == 1 else em.call(torch.cat, outs, dim)
+def _named(node: fx.Node, out: fx.Node) -> fx.Node:
+    """``out`` as ``node``'s value: its meta (global value, source line)."""
     out.meta = dict(node.meta)
     return out
 
