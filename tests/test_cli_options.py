@@ -43,7 +43,8 @@ def test_every_option_flag_runs_and_reaches_the_rewrite(flags, capsys):
 
 
 def test_strict_refuses_what_would_gather(tmp_path, capsys):
-    path = tmp_path / "running_sum.py"  # tokens mixed outside attention: a cumsum over the sequence
+    path = tmp_path / "running_sum.py"  # tokens mixed outside attention: a cumsum over the sequence, gathered
+    # under load_balance="striped" (no contiguous runs to scan)
     path.write_text("import torch\nimport torch.nn.functional as F\n"
                     "class M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
                     "        self.emb, self.qkv = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48)\n"
@@ -51,9 +52,9 @@ def test_strict_refuses_what_would_gather(tmp_path, capsys):
                     "        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)\n"
                     "        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()\n"
                     "def factory(seq_len=64):\n    return M(), (torch.randint(0, 32, (2, seq_len)),)\n")
-    code, _, err = run_cli(["explain", f"{path}:factory"], capsys)
+    code, _, err = run_cli(["explain", f"{path}:factory", "--load-balance", "striped"], capsys)
     assert code == 0, err
-    code, _, err = run_cli(["explain", f"{path}:factory", "--strict"], capsys)
+    code, _, err = run_cli(["explain", f"{path}:factory", "--load-balance", "striped", "--strict"], capsys)
     assert code == 1 and "strict" in err
 
 

@@ -50,8 +50,9 @@ SLOW = {
     },
     "encoders and limits": {
         "distilbert": "ring",  # masked LM, bidirectional
-        # Position ids from a cumsum of the non-pad tokens: mixes tokens, gathered and warned.
-        "roberta": "ring + gathers",
+        # Position ids from a cumsum of the non-pad tokens: a scan over the sequence, by every rank's
+        # run totals (rules/scans.py), no gather.
+        "roberta": "ring",
         "lfm2": "ring + gathers",  # a hybrid: short convolutions (conv1d, gathered, warned) and attention
         "deberta": "no CP, warned",  # disentangled attention, a learned relative bias: left whole, warned
         "xglm": "no CP, warned",  # hand-written attention in a form ring_cp does not recognise, warned

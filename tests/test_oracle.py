@@ -57,8 +57,6 @@ PER_TOKEN = {  # name -> (op, what the hand table must not list)
     "flip_features": (lambda m, x: x.flip(-1), ("method", "flip")),
     "baddbmm_heads": (_baddbmm, torch.baddbmm),
     "topk_features": (lambda m, x: x.topk(4, dim=-1).values.repeat(1, 1, 2), ("method", "topk")),
-    "cummax_features": (lambda m, x: x.cummax(-1).values, ("method", "cummax")),
-    "cumsum_features": (lambda m, x: x.cumsum(-1), ("method", "cumsum")),
     # in place on a sharded destination, along the features (DeepSeek-V3's group mask: mask.scatter_(1, idx, 1))
     "scatter_in_place_features": (lambda m, x: x.clone().scatter_(-1, x.argmax(-1, keepdim=True), 0.0),
                                   ("method", "scatter_")),
@@ -67,13 +65,10 @@ PER_TOKEN = {  # name -> (op, what the hand table must not list)
     "conv2d_kernel_1": (lambda m, x: F.conv2d(x.transpose(1, 2)[..., None], m.table[:D, :, None, None])
                         .squeeze(-1).transpose(1, 2), torch.conv2d),
 }
+# The scans (cumsum, cumprod, logcumsumexp, cummax, cummin) have a hand rule (rules/scans.py:
+# tests/test_scans.py); that the oracle alone still stops on one along the sequence written with a
+# negative dim (DTensor compares the dim as written) is tests/test_rules.py's sweep of their samples.
 MIXING = {
-    "cumsum_seq": lambda m, x: x.cumsum(1),
-    # DTensor's scan strategy compared a negative dim as written: these came out per-token
-    "cumsum_seq_negative_dim": lambda m, x: x.cumsum(-2),
-    "cumprod_seq_negative_dim": lambda m, x: torch.cumprod(x, dim=-2),
-    "logcumsumexp_seq_negative_dim": lambda m, x: x.logcumsumexp(-2),
-    "cummax_seq": lambda m, x: x.cummax(1).values,
     "normalize_seq": lambda m, x: F.normalize(x, dim=1),
     "softmax_seq": lambda m, x: x.softmax(1),
     "flip_seq": lambda m, x: x.flip(1),

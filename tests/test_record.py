@@ -20,9 +20,10 @@ from cp_compile.tools.explain import explain_model
 
 class _MixesEarly(nn.Module):
     """Tokens mixed right after the embedding. ``mix="cumsum"``: a running sum, shaped like its
-    input, so the fallback's result is sharded again at once. ``mix="rotate"``: a rotation
-    by slices and a cat, whose pieces (S-1 and 1 tokens) stay whole, so every op from there
-    on runs on the whole sequence until the attention shards its q/k/v."""
+    input, gathered under ``load_balance="striped"`` (no contiguous runs to scan; the other layouts
+    scan without a gather, rules/scans.py), and the fallback's result is sharded again at once.
+    ``mix="rotate"``: a rotation by slices and a cat, whose pieces (S-1 and 1 tokens) stay whole,
+    so every op from there on runs on the whole sequence until the attention shards its q/k/v."""
 
     def __init__(self, mix: str) -> None:
         super().__init__()
@@ -49,9 +50,10 @@ def test_fully_sharded_model_records_a_high_fraction() -> None:
 
 
 def test_a_fallback_shaped_like_its_input_is_sharded_again() -> None:
-    """The cumsum runs on the gathered sequence; the MLP after it holds 1/N of the tokens (views hold no
-    bytes, so in this tiny model the one gathered (B, S, D) value is a third of what is held)."""
-    report = explain_model(_MixesEarly("cumsum"), (torch.randint(0, 32, (2, 16)),), world_size=2)
+    """The cumsum runs on the gathered sequence (striped); the MLP after it holds 1/N of the tokens (views
+    hold no bytes, so in this tiny model the one gathered (B, S, D) value is a third of what is held)."""
+    report = explain_model(_MixesEarly("cumsum"), (torch.randint(0, 32, (2, 16)),), world_size=2,
+                           load_balance="striped")
     rec = report.ctx.record
     assert rec.rings == 1 and len(rec.fallbacks) == 1 and rec.sharded_fraction > 0.6, rec
 
@@ -101,7 +103,7 @@ def _resharded(seq_len: int) -> tuple:
         torch.manual_seed(0)
         models_.append(_MixesEarly("cumsum"))
     inputs = (torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(1)),)
-    ref, out, backend = loss_through_ring_cp(models_[0], models_[1], inputs)
+    ref, out, backend = loss_through_ring_cp(models_[0], models_[1], inputs, load_balance="striped")
     return rel(out.detach(), ref.detach()), max(grad_errors(models_[1], models_[0]).values()), len(backend.fallbacks)
 
 

@@ -173,8 +173,8 @@ def _tuple_getitem(em: Emitter, node: fx.Node) -> bool:
         return False
     src, idx = node.args
     lay = em.layout(src)
-    if isinstance(lay, tuple):
-        em.env[node] = em.copy(node, (em.env[src], idx), {})
+    if isinstance(lay, tuple):  # a rule's tuple of new values (rules/scans.py: cummax) is indexed here
+        em.env[node] = em.env[src][idx] if isinstance(em.env[src], tuple) else em.copy(node, (em.env[src], idx), {})
         em.layouts[node] = lay[idx]
         return True
     return False

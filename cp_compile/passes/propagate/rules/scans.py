@@ -76,11 +76,18 @@ def scan(em: Emitter, node: fx.Node):
     if outs == 1:
         prefix = _exclusive_prefix(em, name, _totals(em, scanned, d, dtype)[0], table, d, dtype)
         out = em.call(_COMBINE[name], em.method("unsqueeze", prefix, d + 1), scanned)  # (..., k, L, ...)
-        new = em.graph.create_node("call_method", "flatten", (out, d, d + 1), {}, name=node.name)
-        new.meta = dict(node.meta)  # the scan's own value (its global shape for explain)
-        return new, Sharded(d)
+        return _result(em, node, out, d, result), Sharded(d)
     values, indices = _cummaxmin(em, name, scanned, (table, length), _ndim(x) + 1, d, dtype)
-    return (em.method("flatten", values, d, d + 1), em.method("flatten", indices, d, d + 1)), (Sharded(d), Sharded(d))
+    return (_result(em, node, values, d, result[0], "_values"),
+            _result(em, node, indices, d, result[1], "_indices")), (Sharded(d), Sharded(d))
+
+
+def _result(em: Emitter, node: fx.Node, runs: fx.Node, d: int, value: Any, suffix: str = "") -> fx.Node:
+    """(..., k, L, ...) -> (..., c, ...), named after the scan and carrying its global value (for explain);
+    cummax/cummin: a tuple of two of these, which the walk indexes as Python values."""
+    new = em.graph.create_node("call_method", "flatten", (runs, d, d + 1), {}, name=node.name + suffix)
+    new.meta = {**node.meta, "example_value": value}
+    return new
 
 
 def _refusal(em: Emitter, x: fx.Node, s: Sharded, name: str) -> Optional[str]:
