@@ -22,7 +22,7 @@ are recomputed from a small window and written in place (one local-sized result,
 
 The gradient flows through autograd: the gather's backward reduce-scatters each halo's gradient
 back to the rank that owns those tokens. Refused to the gather (warned): a layout without
-contiguous runs (striped on several ranks, documents), a symbolic S, halos wider than a run (tiny
+contiguous runs (striped on several ranks, documents), a symbolic S, halos L + R wider than a run (tiny
 S, wide kernel), a stride other than 1 or padding that changes the length (a stride-k conv
 with kernel k is a patch embedding, opened before the rewrite where the sequence arises after it:
 ``normalize/patch_conv.py``), and ``roll`` along a padded sequence (its wrap would have to skip
