@@ -34,17 +34,19 @@ def agrees_with_term(rule: Any) -> bool:
     val = fake_value(rule.term)
     if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
         return True
-    width = max(s[0] for s in rule.shapes) * max(s[1] for s in rule.shapes)
+    read = [s for i, s in enumerate(rule.shapes) if not rule.read_whole(i)]
+    width = max((s[0] for s in read), default=1) * max((s[1] for s in read), default=1)
     if val.numel() * width > CHECK_ELEMENTS:
         log.debug("cp_compile: lifted mask term %s not checked: %d values", rule.term.name, val.numel() * width)
         return True
-    values = real_values([rule.term, *rule.leaves])
+    values = real_values([rule.term, *rule.leaves], learned=True)  # a learned table: its values now
     if values is None:
         log.debug("cp_compile: lifted mask term %s not checked: its values are not computable now", rule.term.name)
         return True
     term, *leaves = values
     term = term.reshape((1,) * max(0, 4 - term.dim()) + tuple(term.shape))  # (.., S|1, S|1) as SDPA broadcasts it
     got = _rule_grid(rule, [x.reshape(s) for x, s in zip(leaves, rule.shapes)], term)
+    term = term.detach()
     why = _difference(got, term)
     if why is not None:
         log.warning("cp_compile: the rule of positions lifted from the attention mask term %s at %s does not "
@@ -59,7 +61,7 @@ def _rule_grid(rule: Any, leaves: list, term: torch.Tensor) -> torch.Tensor:
     from ....ring.mods import Mods
     from .lift import as_mod
 
-    b, h = max(s[0] for s in rule.shapes), max(s[1] for s in rule.shapes)
+    b, h = term.shape[0], term.shape[1]  # a table lookup reads heads no leaf has: the term's own
     q, kv = (torch.arange(n, device=term.device) for n in term.shape[-2:])
     if rule.additive:
         mods = Mods(score_mod=as_mod("score", (rule,), rule.term), score_buffers=tuple(leaves))
