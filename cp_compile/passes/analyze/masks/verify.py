@@ -45,7 +45,7 @@ def agrees_with_term(rule: Any) -> bool:
         return True
     term, *leaves = values
     term = term.reshape((1,) * max(0, 4 - term.dim()) + tuple(term.shape))  # (.., S|1, S|1) as SDPA broadcasts it
-    got = _rule_grid(rule, [x.reshape(s) for x, s in zip(leaves, rule.shapes)], term)
+    got = _rule_grid(rule, [x.detach().reshape(s) for x, s in zip(leaves, rule.shapes)], term)
     term = term.detach()
     why = _difference(got, term)
     if why is not None:
