@@ -7,7 +7,8 @@
   ranks, several layouts, GQA.
 - Rectangles a mask_mod masks wholly are never computed (kernel calls counted against
   a brute-force count from positions).
-- A buffer that requires grad is refused with an error naming the fix; mods keys are
+- A mask buffer that requires grad is refused with an error naming the fix (score buffers may
+  learn: tests/test_ring_learned_bias.py); mods keys are
   the same for the same function and differ for different captured values.
 """
 
@@ -210,11 +211,15 @@ def test_wholly_masked_rectangles_are_skipped(ranks):
 # --------------------------------------------------------------------------- misuse and keys
 
 
-def test_learned_buffer_is_refused():
+def _float_window_mod(b, h, q_idx, kv_idx, width):
+    return (q_idx - kv_idx).abs() < width[0]
+
+
+def test_learned_mask_buffer_is_refused():
     q, k, v, _ = (t.float() for t in _inputs(2, 2))
-    slopes = alibi_slopes().requires_grad_()
-    with pytest.raises(ValueError, match="requires grad.*Fix: pass it .detach"):
-        cp_compile.ring_attention(q, k, v, causal=True, score_mod=alibi_mod, score_buffers=[slopes])
+    width = torch.tensor([4.0], requires_grad=True)
+    with pytest.raises(ValueError, match="mask_buffers tensor requires grad.*Fix: pass it .detach"):
+        cp_compile.ring_attention(q, k, v, causal=True, mask_mod=_float_window_mod, mask_buffers=[width])
     with pytest.raises(ValueError, match="Fix"):
         cp_compile.ring_attention(q, k, v, causal=True, mask_buffers=[mods_doc_ids(S)])  # no mask_mod reads it
 

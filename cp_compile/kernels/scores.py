@@ -10,7 +10,8 @@ so the ring computes such rectangles here, one (B, H, Lq, Lk) score block at a t
 * backward, with the *global* out and lse: recomputes ``s`` and its vector-Jacobian
   product through ``score`` (``torch.func.vjp``), then
   ``dv = pᵀ dO``, ``dp = dO vᵀ``, ``ds = p (dp - rowsum(dO·O))``, ``dq = vjp(ds) k · scale``,
-  ``dk = vjp(ds)ᵀ q · scale``.
+  ``dk = vjp(ds)ᵀ q · scale``; with learned score buffers the same vjp also gives each
+  buffer's gradient, which the score function accumulates (masked pairs carry nothing).
 
 GQA: query head h reads K/V head ``h // (H / H_kv)``, without repeating K/V in memory.
 Math runs in fp32 (fp64 for fp64 inputs), so the result is as exact as the reference kernel.
@@ -131,7 +132,7 @@ class ScoresKernel:
         h_kv = k.shape[1]
         raw = _raw_scores(q, k, scale)
         ct = raw.dtype
-        s_mod, vjp = torch.func.vjp(score, raw)
+        s_mod, vjp = _score_vjp(score, raw)
         s = _masked(s_mod, mask, causal, row0)  # (B, H, Lq, Lk)
         lse = lse.to(ct)
         p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))  # global probabilities
@@ -139,11 +140,29 @@ class ScoresKernel:
         _add_grouped_t(dv, p, do)  # dv += pᵀ dO
         dp = torch.einsum("bngqd,bnkd->bngqk", _grouped(do, h_kv), v.to(ct)).reshape(p.shape)
         ds = p * (dp - (do * o).sum(-1, keepdim=True))  # d loss / d (modified score)
-        (ds_raw,) = vjp(ds)
+        masked = torch.isneginf(s)
+        ds_raw = vjp(ds.masked_fill(masked, 0.0))
         # masked pairs carry nothing, even where score' is inf
-        ds_raw = ds_raw.masked_fill(torch.isneginf(s), 0.0) * scale
+        ds_raw = ds_raw.masked_fill(masked, 0.0) * scale
         _add_grouped_t(dk, ds_raw, q.to(ct))  # dk += ds_rawᵀ q
         return torch.einsum("bngqk,bnkd->bngqd", _grouped(ds_raw, h_kv), k.to(ct)).reshape(q.shape)
+
+
+def _score_vjp(score: ScoreFn, raw: Tensor) -> Tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """(score(raw), ds -> d loss / d raw). A score function with learned buffers (``score.learned``,
+    :class:`cp_compile.ring.calls.BoundScore`) is differentiated with respect to them too, and each call of
+    the returned function adds their gradients into the score's accumulators (``score.add_grads``)."""
+    if not getattr(score, "learned", False):
+        s_mod, vjp = torch.func.vjp(score, raw)
+        return s_mod, lambda ds: vjp(ds)[0]
+    s_mod, vjp = torch.func.vjp(score.with_learned, raw, *score.learned_values(raw.dtype))
+
+    def back(ds: Tensor) -> Tensor:
+        ds_raw, *d_learned = vjp(ds)
+        score.add_grads(tuple(d_learned))
+        return ds_raw
+
+    return s_mod, back
 
 
 def _add_grouped_t(acc: Tensor, a: Tensor, x: Tensor) -> None:

@@ -140,7 +140,8 @@ def _check_doc_ids(doc_ids: Tensor, q: Tensor, n: int) -> Tensor:
 
 
 def _check_buffers(name: str, buffers: Optional[Sequence[Tensor]], mod: Optional[Callable], q: Tensor) -> List[Tensor]:
-    """The mods' buffers as a list of constant tensors on q's device, or an error naming the fix."""
+    """The mods' buffers as a list of tensors on q's device (score buffers may require grad; mask buffers are
+    constants), or an error naming the fix."""
     if buffers is None:
         return []
     if mod is None:
@@ -148,10 +149,10 @@ def _check_buffers(name: str, buffers: Optional[Sequence[Tensor]], mod: Optional
     if isinstance(buffers, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t in buffers):
         _fail(f"{name} must be a list of tensors. Fix: pass {name}=[t1, t2, ...] in the order the mod reads them.")
     for t in buffers:
-        if t.requires_grad:
-            _fail(f"a {name} tensor requires grad; the ring treats the mods' buffers as constants (learned biases "
-                  "are not supported by the ring yet). Fix: pass it .detach(), or keep that attention out of the "
-                  "ring.")
+        if t.requires_grad and name == "mask_buffers":
+            _fail("a mask_buffers tensor requires grad; a mask_mod's result is boolean, so its buffers get no "
+                  "gradient. Fix: pass it .detach(), or read the learned tensor in the score_mod (score_buffers "
+                  "may require grad).")
         if t.device != q.device:
             _fail(f"a {name} tensor is on {t.device}, q on {q.device}. Fix: move it to q's device.")
     return list(buffers)
@@ -231,7 +232,13 @@ def ring_attention(
         mask_mod, score_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx, *mask_buffers)``
             (True = attend) and ``score_mod(score, b, h, q_idx, kv_idx, *score_buffers)`` over
             GLOBAL positions (docs/kernels.md, "Documents and mods"); ``mask_buffers`` /
-            ``score_buffers``: the tensors they read, whole, constants (no grad).
+            ``score_buffers``: the tensors they read, whole (the same tensor on every rank).
+            ``score_buffers`` may require grad (a learned relative-position bias table, learned
+            ALiBi slopes): each rank's backward then gives the buffer THIS RANK'S SHARE of its
+            gradient (its queries' part); sum the shares over the CP group, as for every other
+            parameter of a context-parallel model (an all-reduce of the parameter gradients over the
+            CP group, folded into data parallelism's or done by the ``ring_cp`` backend).
+            ``mask_buffers`` are constants (no grad).
         positions: a layout computed per batch, in place of ``load_balance``: an (N, S_local)
             int64 table whose row r lists rank r's global positions, sorted, the rows a
             partition of range(S), the same whole tensor on every rank (e.g.

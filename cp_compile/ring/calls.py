@@ -64,13 +64,30 @@ def _doc_calls(docs: DocIndex, seg: Segment, pos: BlockPositions, rank: int, src
 
 class BoundScore:
     """``score_mod`` bound to a rectangle's global positions: ``(B, H, Lq, Lk) scores -> scores``;
-    :meth:`rows` binds it to a tile of the rectangle's rows (the score kernel's row tiles)."""
+    :meth:`rows` binds it to a tile of the rectangle's rows (the score kernel's row tiles).
+
+    With learned score buffers (``mods.learned``), :meth:`with_learned` is the score function of
+    (scores, *learned buffers) whose vjp the explicit-scores backward takes, and :meth:`add_grads`
+    accumulates the buffers' gradients into the call's :class:`.mods.Mods`."""
 
     def __init__(self, mods: Any, q_pos: Tensor, k_pos: Tensor) -> None:
         self.mods, self.q_pos, self.k_pos = mods, q_pos, k_pos
 
     def __call__(self, s: Tensor) -> Tensor:
         return self.mods.scores(s, self.q_pos, self.k_pos)
+
+    @property
+    def learned(self) -> bool:
+        return bool(getattr(self.mods, "learned", ()))
+
+    def learned_values(self, dtype: torch.dtype) -> Tuple[Tensor, ...]:
+        return self.mods.learned_values(dtype)
+
+    def with_learned(self, s: Tensor, *learned: Tensor) -> Tensor:
+        return self.mods.scores(s, self.q_pos, self.k_pos, learned)
+
+    def add_grads(self, grads: Tuple[Tensor, ...]) -> None:
+        self.mods.add_grads(grads)
 
     def rows(self, r: slice, keys: int) -> "BoundScore":
         """Bound to the rows ``r`` and the first ``keys`` keys of the rectangle."""

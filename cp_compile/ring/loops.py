@@ -3,12 +3,13 @@
 Both iterate the K/V blocks in ring order (:func:`.comm.kv_blocks`), compute the
 calls :func:`.calls.step_calls` lists for each step (the plan's rectangles, refined by
 windows, masks, documents and mods) with the block kernel (or, for a ``score_mod``,
-:class:`cp_compile.kernels.scores.ScoresKernel`), and
+:class:`cp_compile.kernels.scores.ScoresKernel`, which also gives the gradient of learned score buffers), and
 keep everything numerically important in fp32: the forward merges each rectangle's
 (out, lse) into fp32 accumulators; the backward uses the *global* out and lse,
 accumulates dQ locally and hands each block's dK/dV to a :class:`.comm.GradSink`.
 Kernels that fuse the merge (``fuses_merge``, e.g. the Triton ones) take the loops
-of :mod:`.fused` instead.
+of :mod:`.fused` instead, except for a backward with learned score buffers, which stays here
+(explicit scores: the Triton step kernels give no gradient of a score_mod's buffers).
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class _LocalSink:
         return self.dk, self.dv
 
 
+def learned_buffers(spec: MaskSpec) -> bool:
+    """Whether the call's score_mod has buffers whose gradient the backward computes."""
+    return spec.mods is not None and bool(getattr(spec.mods, "learned", ()))
+
+
 def _mask_kw(mask: Optional[Tensor]) -> dict:
     return {} if mask is None else {"mask": mask}
 
@@ -159,9 +165,11 @@ def ring_backward(
     """(dq, dk, dv) of this rank's shards, each in its input's dtype.
 
     dout, q, out: (B, H, c, D); k, v: (B, H_kv, c, D); lse: (B, H, c), the global one;
-    ``positions`` as in :func:`ring_forward`.
+    ``positions`` as in :func:`ring_forward`. Learned score buffers (``spec.mods.learned``): every
+    rectangle runs on the explicit-scores kernel, whatever ``kernel`` (a fused one too), and adds its
+    d(loss)/d(buffer) into ``spec.mods.grads``: this rank's share (its queries' rectangles).
     """
-    if getattr(kernel, "fuses_merge", False):
+    if getattr(kernel, "fuses_merge", False) and not learned_buffers(spec):
         return ring_backward_fused(dout, q, k, v, out, lse, causal=causal, scale=scale, group=group,
                                    load_balance=load_balance, rotate=rotate, kernel=kernel, valid_len=valid_len,
                                    spec=spec, positions=positions)

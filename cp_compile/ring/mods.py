@@ -10,7 +10,9 @@ FlexAttention's:
   ``q·k·scale`` in fp32 (fp64 for fp64 inputs),
 
 with ``q_idx`` / ``kv_idx`` the global token positions (never the local row index), and
-the buffers (document ids, per-head slopes, ...) passed whole, as constants. Each ring
+the buffers (document ids, per-head slopes, ...) passed whole. Score buffers may be learned (a
+relative-position bias table, ALiBi slopes): the backward then returns their gradient
+(:attr:`Mods.learned`); mask buffers are constants. Each ring
 rectangle evaluates the mods on its own ``(B, H, Lq, Lk)`` grid with ``torch.vmap`` over
 (b, h, q, kv), as FlexAttention's ``create_mask`` does, so a mod written for
 FlexAttention runs unchanged.
@@ -20,8 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import types
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -33,17 +35,41 @@ _SMALL = 1 << 16  # captured tensors up to this many elements are hashed by valu
 
 @dataclass(frozen=True)
 class Mods:
-    """The mods of one ring call and the tensors they read (treated as constants)."""
+    """The mods of one ring call and the tensors they read.
+
+    ``learned``: indices of the score buffers whose gradient the backward computes (learned biases:
+    a relative-position table, ALiBi slopes); the explicit-scores kernel adds each rectangle's
+    d(loss)/d(buffer) into ``grads`` (:meth:`add_grads`, fp32 or fp64 accumulators, one per learned
+    buffer). mask_buffers are always constants (a boolean mask has no gradient)."""
 
     mask_mod: Optional[MaskMod] = None
     score_mod: Optional[ScoreMod] = None
     mask_buffers: Tuple[Tensor, ...] = ()
     score_buffers: Tuple[Tensor, ...] = ()
+    learned: Tuple[int, ...] = ()
+    grads: List[Optional[Tensor]] = field(default_factory=list, compare=False)
 
-    def with_buffers(self, mask_buffers: Optional[Sequence[Tensor]],
-                     score_buffers: Optional[Sequence[Tensor]]) -> "Mods":
-        """This entry with the buffers of one call."""
-        return Mods(self.mask_mod, self.score_mod, tuple(mask_buffers or ()), tuple(score_buffers or ()))
+    def with_buffers(self, mask_buffers: Optional[Sequence[Tensor]], score_buffers: Optional[Sequence[Tensor]],
+                     learned: Sequence[int] = ()) -> "Mods":
+        """This entry with the buffers of one call (and fresh gradient accumulators for ``learned``)."""
+        learned = tuple(learned)
+        return Mods(self.mask_mod, self.score_mod, tuple(mask_buffers or ()), tuple(score_buffers or ()), learned,
+                    [None] * len(learned))
+
+    def learned_values(self, dtype: torch.dtype) -> Tuple[Tensor, ...]:
+        """The learned score buffers as the primals of a vjp: detached, at least ``dtype``'s precision."""
+        return tuple(_grad_dtype(self.score_buffers[i], dtype) for i in self.learned)
+
+    def add_grads(self, grads: Sequence[Tensor]) -> None:
+        """Accumulate one rectangle's d(loss)/d(learned buffer), each in fp32 (fp64 for fp64)."""
+        for j, g in enumerate(grads):
+            acc = self.grads[j]
+            self.grads[j] = g.to(_acc_dtype(g.dtype)).clone() if acc is None else acc.add_(g)
+
+    def buffer_grads(self) -> List[Tensor]:
+        """The accumulated gradients in their buffers' dtypes (zeros for a buffer no rectangle reached)."""
+        bufs = [self.score_buffers[i] for i in self.learned]
+        return [torch.zeros_like(b) if g is None else g.to(b.dtype) for b, g in zip(bufs, self.grads)]
 
     def mask(self, b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``mask_mod`` on the grid (b, h, q_pos x k_pos): bool (B, H, Lq, Lk), True = attend."""
@@ -52,11 +78,27 @@ class Mods:
         out = _evaluate(self.mask_mod, "mask_mod", (), _indices(b, h, q_pos, k_pos), self.mask_buffers)
         return _as_grid(out, "mask_mod", (b, h, len(q_pos), len(k_pos))).to(torch.bool)
 
-    def scores(self, s: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """``score_mod`` applied to scores ``s`` (B, H, Lq, Lk) at global positions."""
+    def scores(self, s: Tensor, q_pos: Tensor, k_pos: Tensor, learned: Optional[Sequence[Tensor]] = None) -> Tensor:
+        """``score_mod`` applied to scores ``s`` (B, H, Lq, Lk) at global positions; ``learned``: values
+        in place of the learned buffers (the primals of the backward's vjp)."""
         b, h, lq, lk = s.shape
-        out = _evaluate(self.score_mod, "score_mod", (s,), _indices(b, h, q_pos, k_pos), self.score_buffers)
+        buffers = self.score_buffers
+        if learned is not None:
+            buffers = list(buffers)
+            for i, t in zip(self.learned, learned):
+                buffers[i] = t
+            buffers = tuple(buffers)
+        out = _evaluate(self.score_mod, "score_mod", (s,), _indices(b, h, q_pos, k_pos), buffers)
         return _as_grid(out, "score_mod", (b, h, lq, lk)).to(s.dtype)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grad_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` detached, promoted to at least ``dtype`` and fp32 (a bf16 table's gradient is not summed in bf16)."""
+    return t.detach().to(torch.promote_types(torch.promote_types(t.dtype, dtype), torch.float32))
 
 
 def _evaluate(fn: Callable, what: str, score: Tuple[Tensor, ...], idx: Tuple[Tensor, ...],

@@ -1,8 +1,8 @@
 """``torch.library`` custom ops for ring attention, so compiled graphs keep it whole.
 
 ``cp_compile::ring_attention_fwd(q, k, v, ...) -> (out, lse)`` and
-``cp_compile::ring_attention_bwd(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
-are opaque to Dynamo/AOTAutograd (no graph break, no tracing into the
+``cp_compile::ring_attention_bwd(dout, q, k, v, out, lse, ..., score_grads=None) -> (dq, dk, dv,
+d_score_buffers)`` are opaque to Dynamo/AOTAutograd (no graph break, no tracing into the
 communication), have fake implementations for shape propagation, and are linked by
 ``register_autograd``. The process group travels as its registered name, since
 custom ops take only tensors and plain values; ``timeout`` (seconds, ``-1``: the
@@ -10,6 +10,14 @@ process group's own) bounds every wait of the ring (:mod:`.faults`). The first
 forward call with given arguments checks that every rank passed the same ones
 (:mod:`.agree`). Under ``torch.autocast`` the forward casts q, k, v as autocast casts SDPA's
 (:mod:`.autocast`).
+
+Learned score buffers: ``score_buffers`` may require grad (a relative-position bias table, ALiBi
+slopes). The backward op then gets ``score_grads`` (one bool per score buffer) and returns, as a
+``Tensor[]``, the gradient of each flagged buffer: this rank's SHARE, from its own queries'
+rectangles against every key block the ring visits (:mod:`.loops`, explicit scores). The shares
+sum over the CP group to the gradient; the caller sums them (the ``ring_cp`` backend all-reduces a
+parameter's gradient in the backward graph; users of :func:`cp_compile.ring_attention` all-reduce
+parameter gradients over the CP group as for every other parameter). mask_buffers stay constants.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ Tensor = torch.Tensor
 
 
 def _spec(window: int, attn_mask: Optional[Tensor], doc_ids: Optional[Tensor], mods: str,
-          mask_buffers: Optional[Sequence[Tensor]], score_buffers: Optional[Sequence[Tensor]]) -> MaskSpec:
-    """The op's masking arguments as one :class:`.masking.MaskSpec` (mods looked up by key)."""
-    entry = lookup(mods).with_buffers(mask_buffers, score_buffers) if mods else None
+          mask_buffers: Optional[Sequence[Tensor]], score_buffers: Optional[Sequence[Tensor]],
+          learned: Sequence[int] = ()) -> MaskSpec:
+    """The op's masking arguments as one :class:`.masking.MaskSpec` (mods looked up by key; ``learned``: the
+    indices of the score buffers whose gradient the backward computes)."""
+    entry = lookup(mods).with_buffers(mask_buffers, score_buffers, learned) if mods else None
     return MaskSpec(window, attn_mask, doc_ids, entry)
 
 
@@ -57,7 +67,8 @@ _OPTIONAL = ("SymInt valid_len=-1, float timeout=-1., int window=-1, Tensor? att
 _FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float scale, str group_name, str load_balance, str rotate, "
                f"str kernel, {_OPTIONAL}) -> (Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale, "
-               f"str group_name, str load_balance, str rotate, str kernel, {_OPTIONAL}) -> (Tensor, Tensor, Tensor)")
+               f"str group_name, str load_balance, str rotate, str kernel, {_OPTIONAL}, bool[]? score_grads=None) "
+               "-> (Tensor, Tensor, Tensor, Tensor[])")
 
 
 @torch.library.custom_op("cp_compile::ring_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
@@ -76,9 +87,9 @@ def ring_attention_fwd(
     additive float32 mask, (B|1, H|1, c, N·c) (see :mod:`.masking`). ``doc_ids``: (B|1, N·c)
     integer document ids over the whole sequence (:mod:`.docs`); ``mods``: a key from
     :func:`.mods.register_mods`, whose mask_mod / score_mod read ``mask_buffers`` /
-    ``score_buffers`` (whole tensors, constants). ``positions``: an (N, c) int64 table, row r =
-    rank r's sorted global positions (the same whole tensor on every rank), in place of
-    ``load_balance`` (:func:`cp_compile.sequence.check_table`)."""
+    ``score_buffers`` (whole tensors; score buffers may require grad, see the module docstring).
+    ``positions``: an (N, c) int64 table, row r = rank r's sorted global positions (the same whole
+    tensor on every rank), in place of ``load_balance`` (:func:`cp_compile.sequence.check_table`)."""
     check_one_dtype(q, k, v)
     opts = _run_options(group_name, kernel, q, timeout, "forward")
     q, k, v = _dense(q), _dense(k), _dense(v)
@@ -124,22 +135,42 @@ def ring_attention_bwd(
     scale: float, group_name: str, load_balance: str, rotate: str, kernel: str, valid_len: int = -1,
     timeout: float = -1.0, window: int = -1, attn_mask: Optional[Tensor] = None, doc_ids: Optional[Tensor] = None,
     mods: str = "", mask_buffers: Optional[List[Tensor]] = None, score_buffers: Optional[List[Tensor]] = None,
-    positions: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries."""
+    positions: Optional[Tensor] = None, score_grads: Optional[List[bool]] = None,
+) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
+    """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries, and the
+    gradients of the score buffers flagged in ``score_grads`` (this rank's shares, in the buffers' order)."""
     opts = _run_options(group_name, kernel, q, timeout, "backward")
     dout, q, k, v, out = (_dense(t) for t in (dout, q, k, v, out))
-    return ring_backward(
+    spec = _spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers,
+                 _learned(mods, score_buffers, score_grads))
+    dq, dk, dv = ring_backward(
         dout, q, k, v, out, lse, causal=causal, scale=scale, load_balance=load_balance, rotate=rotate,
-        valid_len=valid_len, spec=_spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers),
-        positions=_table(positions, opts["group"].size, q.shape[2]), **opts,
+        valid_len=valid_len, spec=spec, positions=_table(positions, opts["group"].size, q.shape[2]), **opts,
     )
+    return dq, dk, dv, spec.mods.buffer_grads() if spec.mods is not None else []
+
+
+def _learned(mods: str, score_buffers: Optional[Sequence[Tensor]], score_grads: Optional[Sequence[bool]]) -> List[int]:
+    """The indices of the score buffers whose gradient is asked for, after checking the flags."""
+    if not score_grads or not any(score_grads):
+        return []
+    n = len(score_buffers or ())
+    if len(score_grads) != n or not mods:
+        raise ValueError(f"cp_compile.ring_attention_bwd: score_grads has {len(score_grads)} flags for {n} "
+                         f"score_buffers{'' if mods else ' and no mods'}. Fix: one flag per score buffer.")
+    floating = [i for i, f in enumerate(score_grads) if f]
+    if any(not score_buffers[i].dtype.is_floating_point for i in floating):
+        raise ValueError("cp_compile.ring_attention_bwd: a gradient is asked of an integer score buffer. "
+                         "Fix: flag only floating-point buffers.")
+    return floating
 
 
 @ring_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, group_name, load_balance, rotate, kernel, valid_len=-1, timeout=-1.0,
-      window=-1, attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None, positions=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, like the real op
+      window=-1, attn_mask=None, doc_ids=None, mods="", mask_buffers=None, score_buffers=None, positions=None,
+      score_grads=None):
+    d_buffers = [score_buffers[i].new_empty(score_buffers[i].shape) for i in _learned(mods, score_buffers, score_grads)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_buffers  # contiguous, like the real op
 
 
 _OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "kernel", "valid_len", "timeout",
@@ -147,12 +178,12 @@ _OPTION_NAMES = ("causal", "scale", "group_name", "load_balance", "rotate", "ker
 _DEFAULTS = (-1, -1.0, -1, None, None, "", None, None, None)  # valid_len .. positions
 
 
-def _refuse_learned_buffers(buffers: Sequence[Tensor]) -> None:
+def _refuse_learned_masks(buffers: Sequence[Tensor]) -> None:
     if any(t.requires_grad for t in buffers):
         raise ValueError(
-            "cp_compile.ring_attention: a mask_buffers / score_buffers tensor requires grad; the ring treats "
-            "the mods' buffers as constants (learned biases are not supported by the ring yet). "
-            "Fix: pass buffer.detach(), or keep that attention out of the ring."
+            "cp_compile.ring_attention: a mask_buffers tensor requires grad; a mask_mod's result is boolean, so "
+            "its buffers get no gradient. Fix: pass buffer.detach(), or read a learned tensor in the score_mod "
+            "(score_buffers may require grad)."
         )
 
 
@@ -165,7 +196,7 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tens
     attn_mask, doc_ids, mods, mask_buffers, score_buffers, positions = options[n_plain:n_plain + 6]
     ctx.list_grads = [None if b is None else [None] * len(b) for b in (mask_buffers, score_buffers)]
     mask_buffers, score_buffers = list(mask_buffers or ()), list(score_buffers or ())
-    _refuse_learned_buffers(mask_buffers + score_buffers)
+    _refuse_learned_masks(mask_buffers)
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, doc_ids, positions, *mask_buffers, *score_buffers)
     ctx.options = dict(zip(_OPTION_NAMES, options))
     ctx.mods, ctx.n_mask_buffers = mods, len(mask_buffers)
@@ -175,15 +206,32 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tens
 def _backward(ctx: Any, dout: Tensor, _dlse: Any):
     q, k, v, out, lse, attn_mask, doc_ids, positions, *buffers = ctx.saved_tensors
     o, n = ctx.options, ctx.n_mask_buffers
-    dq, dk, dv = ring_attention_bwd(
+    flags = _score_flags(ctx, len(buffers) - n)
+    dq, dk, dv, d_learned = ring_attention_bwd(
         dout.contiguous(), q, k, v, out, lse, o["causal"], o["scale"], o["group_name"],
         o["load_balance"], o["rotate"], o["kernel"], o["valid_len"], o["timeout"], o["window"], attn_mask,
-        doc_ids, ctx.mods, buffers[:n] or None, buffers[n:] or None, positions,
+        doc_ids, ctx.mods, buffers[:n] or None, buffers[n:] or None, positions, flags,
     )
+    mask_grads, score_grads = ctx.list_grads
+    if flags is not None:  # the learned score buffers' gradients in their places, None for the others
+        it = iter(d_learned)
+        score_grads = [next(it) if f else None for f in flags]
     # No gradient for the other inputs: None each, [None] * n for a list of n buffers, and one entry per
     # input the dispatcher handed over: it drops trailing arguments equal to their defaults.
-    grads = (dq, dk, dv, *(None,) * (len(_OPTION_NAMES) + 3), *ctx.list_grads, None)  # the last: positions
+    grads = (dq, dk, dv, *(None,) * (len(_OPTION_NAMES) + 3), mask_grads, score_grads, None)  # the last: positions
     return grads[:ctx.n_inputs]
+
+
+_SCORE_BUFFERS = 3 + len(_OPTION_NAMES) + 4  # the input index of score_buffers (after attn_mask .. mask_buffers)
+
+
+def _score_flags(ctx: Any, n_score: int) -> Optional[List[bool]]:
+    """One flag per score buffer: whether autograd wants its gradient (None: none does)."""
+    if n_score == 0 or ctx.n_inputs <= _SCORE_BUFFERS:
+        return None
+    need = ctx.needs_input_grad[_SCORE_BUFFERS]
+    flags = [bool(f) for f in need] if isinstance(need, (list, tuple)) else [bool(need)] * n_score
+    return flags if any(flags) else None
 
 
 def _n_inputs(options: List[Any]) -> int:
