@@ -182,7 +182,50 @@ def _errors(name: str, seq_len: int) -> tuple:
 
 
 def _rank_errors(cases: list) -> list:
-    return [_errors(name, seq_len) for name, seq_len in cases]
+    return [_hf_errors(name[3:], seq_len) if name.startswith("hf_") else _errors(name, seq_len)
+            for name, seq_len in cases]
+
+
+class HFT5Encoder(nn.Module):
+    """Hugging Face's own T5EncoderModel (tiny config of examples/hf_configs.py), a token-level loss."""
+
+    def __init__(self, impl: str) -> None:
+        super().__init__()
+        from hf_configs import tiny_config
+        from transformers import T5EncoderModel
+
+        config = tiny_config("t5")
+        config._attn_implementation = impl
+        self.model = T5EncoderModel(config)
+        self.head = nn.Linear(config.d_model, 7)  # a loss that moves (the final RMS norm fixes mean(h²) near 1)
+        with torch.no_grad():  # a bias as large as the unscaled scores, as trained T5s have
+            self.model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.normal_()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).square().mean()
+
+
+def _hf_errors(impl: str, seq_len: int) -> tuple:
+    import cp_compile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = HFT5Encoder(impl)
+    cp = HFT5Encoder(impl)
+    cp.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, ref.model.config.vocab_size, (B, seq_len))
+    mask = torch.ones(B, seq_len, dtype=torch.long)
+    mask[-1, seq_len - seq_len // 4:] = 0
+    with AttentionCount() as count:
+        loss_ref = ref(ids, mask)
+    loss_ref.backward()
+    backend = cp_compile.RingCP(inner="aot_eager")
+    loss = torch.compile(cp, backend=backend, fullgraph=True)(ids, mask)
+    loss.backward()
+    errors = grad_errors(cp, ref)
+    learned = max(e for n, e in errors.items() if "relative_attention_bias" in n)
+    return rel(loss.detach(), loss_ref.detach()), max(errors.values()), learned, ring_mismatches(backend, count.calls)
 
 
 @pytest.mark.parametrize("world,cases", [
@@ -192,6 +235,18 @@ def _rank_errors(cases: list) -> list:
 ], ids=["N2", "N4", "odd"])
 def test_learned_biases_are_exact(ranks, world: int, cases: list) -> None:
     for rank, errors in enumerate(ranks.run(world, _rank_errors, cases, timeout=400)):
+        for (name, _), (loss, grad, learned, rings) in zip(cases, errors):
+            assert loss <= TOL and grad <= TOL and learned <= TOL and not rings, (rank, name, loss, grad, learned,
+                                                                                   rings)
+
+
+def test_hf_t5_encoder_model_is_exact(ranks) -> None:
+    """transformers' T5EncoderModel, SDPA (``where(mask, position_bias, min)`` as attn_mask) and eager
+    (``attn_weights + position_bias`` by hand, then the mask) implementations, with padding: the ring,
+    no fallback, exact at N = 2."""
+    pytest.importorskip("transformers")
+    cases = [("hf_sdpa", S), ("hf_eager", S)]
+    for rank, errors in enumerate(ranks.run(2, _rank_errors, cases, timeout=400)):
         for (name, _), (loss, grad, learned, rings) in zip(cases, errors):
             assert loss <= TOL and grad <= TOL and learned <= TOL and not rings, (rank, name, loss, grad, learned,
                                                                                    rings)

@@ -16,7 +16,7 @@ follow abstractly:
   buffers, frozen parameters, tensors Dynamo lifted as constants) is evaluated on the real
   tensors Dynamo traced with (each placeholder's ``grapharg`` holds the tensor the backend
   receives as its example input). Not evaluated: a term reading a forward() argument or an
-  activation, a parameter that requires grad (a learned bias: refused by find_attention), a
+  activation, a parameter that requires grad (a learned bias: a rule of :mod:`.lift` or refused), a
   random op, state that the graph writes to, an in-place op on a value anything else reads
   or shares memory with (PyTorch's ``zeros_like(m, dtype=float).masked_fill_(m, -inf)`` in
   nn.MultiheadAttention writes to a fresh tensor: evaluated), or intermediates larger than

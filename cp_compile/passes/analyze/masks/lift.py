@@ -21,8 +21,16 @@ and key dim of the (B, H, S, S) mask. It stops at the first value that does not 
 both the query and the key dim: a *leaf*, O(S) at most, computed whole on every rank and
 passed to the ring op reshaped to (B|1, H|1, S|1, S|1). The ops above the leaves (the
 ``body``) are re-run per rectangle on the leaves read at (b, h, q, kv); views and ``expand``
-are the identity there. A leaf must need no gradient and read no model input: a learned bias
-is refused before this (find_attention), an input-dependent one stays explicit.
+are the identity there. A leaf must read no model input or activation (an input-dependent term
+stays explicit); it may require grad (learned ALiBi slopes): the ring op returns its gradient.
+
+A table read whole at a rule of positions is a leaf of its own kind (``whole``), passed as it is::
+
+    bucket = f(pos[None, :] - pos[:, None])                                # (S, S) int, a rule
+    bias = embedding(bucket, weight).permute([2, 0, 1]).unsqueeze(0)       # (1, H, S, S): T5's term
+        -> score_mod(score, b, h, q, kv, kv4, q4, weight) = score + weight[f(kv4[..kv] - q4[..q]), h]
+
+The body takes (b, h, q_idx, kv_idx) first, then the leaves (read at them) and tables (whole).
 
 :func:`additive_parts` splits a float mask into its boolean keep terms and its additive terms
 (``where(keep, a, -inf)``, ``a.masked_fill(m, -inf)``, ``a + b``), so that the causal part of
