@@ -275,8 +275,8 @@ class _Walk:
 
 def _learned_rule(bias: Any) -> bool:
     """A bias that requires grad is fused only when it is a rule of positions over whole learned tables
-    (T5's bucketed relative bias, learned ALiBi slopes: :func:`..analyze.masks.lift.learned_bias_lifts`)."""
-    from ..analyze.masks.lift import learned_bias_lifts
+    (T5's bucketed relative bias, learned ALiBi slopes: :func:`..analyze.masks.verify.learned_bias_lifts`)."""
+    from ..analyze.masks.verify import learned_bias_lifts
 
     return isinstance(bias, fx.Node) and learned_bias_lifts(bias)
 

@@ -418,27 +418,7 @@ def additive_parts(mask: fx.Node, new_node) -> Optional[Tuple[List[fx.Node], Lis
     return keeps, adds
 
 
-def learned_bias_lifts(bias: fx.Node) -> bool:
-    """Whether every additive part of ``bias`` (a float bias added to hand-written scores) that requires
-    grad is a rule of positions over whole learned tables that computes it (lifted and verified), so the
-    ring op can apply it as a score rule and return its tables' gradient. A bias computed from
-    activations is no such rule: the hand-written attention stays as written."""
-    from .verify import agrees_with_term
-
-    shape = _shape(bias)
-    parts = additive_parts(bias, lambda target, args, like: None) if shape is not None and len(shape) >= 2 else None
-    if parts is None:
-        return False
-    learned = [a for a in parts[1] if _requires_grad(a)]
-    for a in learned:
-        rule = lift_term(a, shape[-1]) if isinstance(a, fx.Node) else None
-        if rule is None or not rule.learned or not agrees_with_term(rule):
-            return False
-    return bool(learned)
-
-
-__all__ = ["Rule", "additive_parts", "as_mod", "function_then_rules", "learned_bias_lifts", "lift_term",
-           "rules_mask", "rules_score"]
+__all__ = ["Rule", "additive_parts", "as_mod", "function_then_rules", "lift_term", "rules_mask", "rules_score"]
 
 
 # -- the rewrite: the ring op's mods and buffers ------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.fx as fx
 
 from ...context import fake_value, log, source_line
 from .buffers import real_values
@@ -95,4 +96,23 @@ def _max_abs(x: torch.Tensor) -> float:
     return float(x.abs().max()) if x.numel() else 0.0
 
 
-__all__ = ["agrees_with_term"]
+def learned_bias_lifts(bias: fx.Node) -> bool:
+    """Whether every additive part of ``bias`` (a float bias added to hand-written scores) that requires
+    grad is a rule of positions over whole learned tables that computes it (lifted and verified), so the
+    ring op can apply it as a score rule and return its tables' gradient. A bias computed from
+    activations is no such rule: the hand-written attention stays as written."""
+    from .lift import _requires_grad, _shape, additive_parts, lift_term
+
+    shape = _shape(bias)
+    parts = additive_parts(bias, lambda target, args, like: None) if shape is not None and len(shape) >= 2 else None
+    if parts is None:
+        return False
+    learned = [a for a in parts[1] if _requires_grad(a)]
+    for a in learned:
+        rule = lift_term(a, shape[-1]) if isinstance(a, fx.Node) else None
+        if rule is None or not rule.learned or not agrees_with_term(rule):
+            return False
+    return bool(learned)
+
+
+__all__ = ["agrees_with_term", "learned_bias_lifts"]
