@@ -20,7 +20,7 @@ The models, the unmodified example code in ``examples/models.py`` and ``examples
   reference is the model with that attention computed without an S x S bias (as FlashAttention's
   ``alibi_slopes`` does on a GPU): ``cp_compile.ring_attention`` on one process with the bias as
   a ``score_mod`` (the graph-built (1, H, S, S) bias alone would be 1 GiB at S = 8k);
-* ``t5``: one T5 encoder block (dim 256, 4 heads, ReLU MLP 512, vocab 256) whose bias is a learned
+* ``t5``: one T5 encoder block (dim 256, 4 heads, ReLU MLP 1024 as T5's 4 · dim, vocab 256) whose bias is a learned
   (16, H) table read at the bucket of ``k − q`` (Hugging Face's ``_relative_position_bucket``), plus
   the padding row, added to hand-written unscaled scores; the rewrite makes it a score rule whose table
   trains. N = 1 and 4 only; its N = 1 reference is the same block with that attention run by
@@ -62,7 +62,7 @@ MODELS = {
     "llama": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
     "llama_ac": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
     "alibi": dict(vocab=256, dim=256, n_layers=1, n_heads=4, batch=1),  # examples/zoo/alibi.py, causal, SDPA
-    "t5": dict(vocab=256, dim=256, n_layers=1, n_heads=4, batch=1),  # examples/zoo/t5_encoder.py, by hand
+    "t5": dict(vocab=256, dim=256, n_layers=1, n_heads=4, batch=1, ffn=1024),  # examples/zoo/t5_encoder.py
 }
 
 

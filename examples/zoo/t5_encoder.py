@@ -87,11 +87,11 @@ class T5Attention(nn.Module):
 
 
 class T5Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, has_bias: bool) -> None:
+    def __init__(self, dim: int, n_heads: int, has_bias: bool, ffn: int) -> None:
         super().__init__()
         self.attn_norm, self.ff_norm = T5LayerNorm(dim), T5LayerNorm(dim)
         self.SelfAttention = T5Attention(dim, n_heads, has_bias)
-        self.wi, self.wo = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+        self.wi, self.wo = nn.Linear(dim, ffn, bias=False), nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x, mask, position_bias):
         out, position_bias = self.SelfAttention(self.attn_norm(x), mask, position_bias)
@@ -102,10 +102,10 @@ class T5Block(nn.Module):
 class T5Encoder(nn.Module):
     """Embeddings, blocks (the first owns the relative bias), a final RMS norm, a token-level head."""
 
-    def __init__(self, vocab: int, dim: int, n_heads: int, n_layers: int) -> None:
+    def __init__(self, vocab: int, dim: int, n_heads: int, n_layers: int, ffn: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
-        self.block = nn.ModuleList(T5Block(dim, n_heads, has_bias=i == 0) for i in range(n_layers))
+        self.block = nn.ModuleList(T5Block(dim, n_heads, i == 0, ffn) for i in range(n_layers))
         self.final_layer_norm = T5LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -121,10 +121,11 @@ class T5Encoder(nn.Module):
 
 
 def factory(seq_len: int = SEQ_LEN, seed: int = 0, *, batch: int = BATCH, vocab: int = 101, dim: int = 32,
-            n_heads: int = 4, n_layers: int = 2):
-    """(model, (input_ids, attention_mask, labels)): the last sequence of the batch padded at its end."""
+            n_heads: int = 4, n_layers: int = 2, ffn: int = 0):
+    """(model, (input_ids, attention_mask, labels)): the last sequence of the batch padded at its end;
+    ``ffn``: the MLP's width (default 2 · dim; T5 itself uses 4 · dim)."""
     torch.manual_seed(seed)
-    model = T5Encoder(vocab, dim, n_heads, n_layers)
+    model = T5Encoder(vocab, dim, n_heads, n_layers, ffn or 2 * dim)
     with torch.no_grad():  # a bias that matters: T5 initialises it as large as the unscaled scores
         model.block[0].SelfAttention.relative_attention_bias.weight.normal_(0.0, 1.0)
     input_ids = torch.randint(0, vocab, (batch, seq_len))
