@@ -150,10 +150,12 @@ def test_a_bias_from_activations_is_refused_at_sdpa() -> None:
     assert "test_learned_bias.py:" in str(err.value) and "Fix:" in str(err.value)
 
 
-def test_a_bias_from_activations_is_left_as_written_by_hand() -> None:
-    report = explain_model(ActivationBias("scores"), _args("x"), world_size=2)
-    assert not _rings(report)
-    assert "not a rule of positions" in report.ctx.record.summary() or not report.ctx.record.rings
+def test_a_bias_from_activations_is_left_as_written_by_hand(caplog) -> None:
+    with caplog.at_level("WARNING", logger="cp_compile"):
+        report = explain_model(ActivationBias("scores"), _args("x"), world_size=2)
+    assert not _rings(report) and len(report.ctx.record.unsplit) == 1
+    assert "not a rule of positions" in report.ctx.record.unsplit[0], report.ctx.record.unsplit
+    assert any("not a rule of positions" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
 # -- exactness on real ranks -------------------------------------------------------------------
