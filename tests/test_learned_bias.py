@@ -45,7 +45,13 @@ class T5Layer(nn.Module):
             return self.attn(x)[0].square().mean()
         b, s, _ = x.shape
         q, k, v = (f(x).view(b, s, HEADS, -1).transpose(1, 2) for f in (self.attn.q, self.attn.k, self.attn.v))
-        bias = self.attn.compute_bias(s, s, device=x.device)  # (1, H, S, S), requires grad
+        if self.form == "getitem":  # weight[bucket] and two transposes instead of embedding and permute
+            pos = torch.arange(s, device=x.device)
+            bucket = self.attn._relative_position_bucket(pos[None, :] - pos[:, None], True, self.attn.num_buckets,
+                                                         self.attn.max_distance)
+            bias = self.attn.relative_attention_bias.weight[bucket].transpose(0, 2).transpose(1, 2)[None]
+        else:
+            bias = self.attn.compute_bias(s, s, device=x.device)  # (1, H, S, S), requires grad
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         return self.attn.o(out.transpose(1, 2).reshape(b, s, -1)).square().mean()
 
@@ -90,6 +96,7 @@ def _t5_zoo(seq_len: int = S):
 MODELS = {
     "t5_sdpa": (lambda: T5Layer("sdpa"), "relative_attention_bias"),
     "t5_scores": (lambda: T5Layer("scores"), "relative_attention_bias"),
+    "t5_getitem": (lambda: T5Layer("getitem"), "relative_attention_bias"),
     "alibi_sdpa": (lambda: LearnedAlibi("sdpa"), "slopes"),
     "alibi_scores": (lambda: LearnedAlibi("scores"), "slopes"),
 }
@@ -231,7 +238,7 @@ def _hf_errors(impl: str, seq_len: int) -> tuple:
 
 
 @pytest.mark.parametrize("world,cases", [
-    (2, [("t5_sdpa", S), ("alibi_scores", S), ("t5_encoder", 40)]),
+    (2, [("t5_sdpa", S), ("t5_getitem", S), ("alibi_scores", S), ("t5_encoder", 40)]),
     (4, [("t5_scores", S), ("alibi_sdpa", S)]),
     (2, [("t5_sdpa", 37), ("alibi_sdpa", 37)]),  # a length that does not divide: padding
 ], ids=["N2", "N4", "odd"])
