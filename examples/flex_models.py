@@ -18,7 +18,11 @@ caller never slices inside the graph). The styles differ in how the mods are wri
   no captured tensor;
 * ``outside_mask_factory``: the BlockMask built once outside the model (document mask)
   and passed to forward() as an argument;
-* ``gqa_factory``: causal, 4 query heads sharing 2 k/v heads (``enable_gqa=True``).
+* ``gqa_factory``: causal, 4 query heads sharing 2 k/v heads (``enable_gqa=True``);
+* ``learned_alibi_factory``: causal, ALiBi with LEARNED slopes (an ``nn.Parameter`` (H,)) read by
+  the score_mod: the ring's backward returns their gradient;
+* ``t5_bias_factory``: no mask (bidirectional), T5's learned relative-position bias
+  ``score + table[bucket(kv_idx - q_idx), h]`` (an ``nn.Parameter`` (buckets, H), T5's bucket function).
 
 FlexAttention on CPU refuses inputs that require grad (its compiled CPU kernel has no
 backward), though its dense implementation (eager and ``aot_eager``) has one: importing
@@ -28,6 +32,7 @@ on CPU. On a GPU nothing changes.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -185,6 +190,54 @@ class Alibi(FlexLM):
         return create_block_mask(causal, None, None, S, S, device=tokens.device), alibi
 
 
+class LearnedAlibi(FlexLM):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.slopes = nn.Parameter(2.0 ** (-8.0 * torch.arange(1, self.heads + 1) / self.heads))  # (H,) learned
+
+    def mods(self, tokens, *extra):
+        slopes = self.slopes
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        S = tokens.shape[1]
+        return create_block_mask(causal, None, None, S, S, device=tokens.device), alibi
+
+
+def t5_bucket(rel: Tensor, bidirectional: bool = True, buckets: int = 8, max_distance: int = 16) -> Tensor:
+    """T5's relative-position bucket of ``rel = kv_idx - q_idx`` (HF ``_relative_position_bucket``), in torch
+    operations only (runs under vmap): exact buckets for small distances, logarithmic ones up to
+    ``max_distance``; bidirectional: half the buckets for keys after the query."""
+    base = torch.zeros_like(rel)
+    if bidirectional:
+        buckets //= 2
+        base = (rel > 0).long() * buckets
+        rel = rel.abs()
+    else:
+        rel = -torch.clamp(rel, max=0)
+    exact = buckets // 2
+    far = exact + (torch.log(rel.clamp(min=1).float() / exact) / math.log(max_distance / exact)
+                   * (buckets - exact)).long()
+    return base + torch.where(rel < exact, rel, far.clamp(max=buckets - 1))
+
+
+class T5Bias(FlexLM):
+    buckets = 8
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.table = nn.Parameter(0.5 * torch.randn(self.buckets, self.heads))  # (buckets, H) learned
+
+    def mods(self, tokens, *extra):
+        table, buckets = self.table, self.buckets
+
+        def t5_bias(score, b, h, q_idx, kv_idx):
+            return score + table[t5_bucket(kv_idx - q_idx, True, buckets), h]
+
+        return None, t5_bias
+
+
 def soft_cap(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return 2.0 * torch.tanh(score / 2.0)
 
@@ -255,6 +308,14 @@ def outside_mask_factory(seq_len: int = 32, batch: int = 2, seed: int = 0):
 
 def gqa_factory(seq_len: int = 32, batch: int = 2, seed: int = 0):
     return _build(FlexLM, seq_len, batch, seed, kv_heads=2)
+
+
+def learned_alibi_factory(seq_len: int = 32, batch: int = 2, seed: int = 0):
+    return _build(LearnedAlibi, seq_len, batch, seed)
+
+
+def t5_bias_factory(seq_len: int = 32, batch: int = 2, seed: int = 0):
+    return _build(T5Bias, seq_len, batch, seed)
 
 
 FACTORIES = {name[:-len("_factory")]: fn for name, fn in globals().items() if name.endswith("_factory")}

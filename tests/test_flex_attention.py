@@ -9,7 +9,7 @@ survives (no vmap, no argsort); no gather fallback, no cp_compile warning; the b
 record equals what ``cp-compile explain`` prints. Also forward with ``return_aux`` lse.
 
 Single process: the ring op's arguments (mods registered, identity score_mod dropped,
-buffers whole, causal off), and the refusals (learned score buffer, max_scores, a BlockMask
+buffers whole, causal off; a learned score buffer passed as one), and the refusals (max_scores, a BlockMask
 built from block tensors only, an lse whose gradient the ring would drop), each naming
 flex_attention, the source line and the fix.
 """
@@ -208,8 +208,13 @@ class _Probe(nn.Module):
 
 
 @pytest.mark.slow
-def test_learned_score_buffer_is_refused():
-    assert "requires grad" in _refusal(_Probe("learned"), (torch.randn(2, 32, 8),))
+def test_learned_score_buffer_is_passed_to_the_ring():
+    """A score_mod reading a parameter becomes the ring with that parameter as a score buffer (its gradient:
+    tests/test_ring_learned_bias.py). (A mask_mod reading one torch refuses itself: "Captured buffers from
+    mask mod that require grad are not supported"; find_flex refuses it too, should it ever get through.)"""
+    (call,) = _ring_calls(_Probe("learned"), (torch.randn(2, 32, 8),))
+    (buf,) = call.kwargs["score_buffers"]
+    assert buf.meta["val"].shape == (2,)  # the (H,) bias, whole
 
 
 @pytest.mark.slow

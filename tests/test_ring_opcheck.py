@@ -2,7 +2,8 @@
 autograd registration and AOT dispatch all agree with the real implementation.
 
 Runs on 2 real ranks (the ops communicate); every rank makes the same calls in the
-same order, so the collectives inside the repeated op calls match up.
+same order, so the collectives inside the repeated op calls match up. Also with a score_mod
+whose buffer requires grad (the forward's autograd registration with the buffer's gradient).
 """
 
 from __future__ import annotations
@@ -50,6 +51,34 @@ def _opcheck_on_rank():
             if bad:
                 failures[(transposed, causal, lb)] = {t: str(r) for t, r in bad.items()}
     return failures
+
+
+def _alibi(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+def _opcheck_learned_on_rank():
+    """A score_mod whose buffer requires grad (learned ALiBi slopes): the forward's schema, fake, autograd
+    registration and AOT dispatch (which runs the backward for real: gradients of q, k, v AND the slopes).
+    The backward op itself is not opchecked with a score_mod, learned buffers or not: it takes torch.func.vjp
+    through the (vmapped) mod, whose functorch wrappers opcheck's modes cannot read ("Cannot access storage
+    of TensorWrapper"); its fake's Tensor[] output is compared with the real one in
+    tests/test_ring_learned_bias.py."""
+    from cp_compile.ring.mods import register_mods
+
+    name, key = dist.group.WORLD.group_name, register_mods(score_mod=_alibi)
+    q, k, v = _inputs(False)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    args = (q, k, v, True, 0.25, name, "zigzag", "p2p", "aten")
+    kw = {"mods": key, "score_buffers": [slopes]}
+    res = torch.library.opcheck(torch.ops.cp_compile.ring_attention_fwd.default, args, kw, test_utils=_TESTS)
+    return {t: str(r) for t, r in res.items() if r != "SUCCESS"}
+
+
+@pytest.mark.slow
+def test_ring_ops_with_a_learned_score_buffer_pass_opcheck(ranks):
+    for rank, failures in enumerate(ranks.run(2, _opcheck_learned_on_rank)):
+        assert failures == {}, f"rank {rank}: {failures}"
 
 
 @pytest.mark.slow

@@ -43,6 +43,8 @@ NOT_DESCRIBED: Dict[str, str] = {
     "dout": "a backward operand",
     "out": "a backward operand",
     "lse": "a backward operand",
+    "score_grads": "a backward flag per score buffer: which learned buffers get a gradient (autograd decides, "
+                   "from the buffers that require grad; the call is the forward's)",
 }
 
 

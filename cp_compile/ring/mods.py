@@ -205,6 +205,11 @@ _REGISTRY: Dict[str, Mods] = {}
 
 
 def _hash_tensor(h: "hashlib._Hash", t: Tensor) -> None:
+    if t.requires_grad:
+        raise ValueError(
+            f"cp_compile: a mask_mod / score_mod captures a tensor of shape {tuple(t.shape)} that requires grad; the "
+            "ring would use it as a constant and drop its gradient. Fix: pass it as score_buffers=[...] (an extra "
+            "argument of the score_mod, which trains), or capture t.detach() if it is not trained.")
     h.update(f"T{tuple(t.shape)}{t.dtype}".encode())
     if t.numel() > _SMALL or t.is_meta or isinstance(t, torch._subclasses.FakeTensor):
         return  # shape and dtype only: no values to read (or too many to read on every call)

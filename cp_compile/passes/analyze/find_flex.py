@@ -11,8 +11,9 @@ higher-order op node::
          ..., Q_BLOCK, KV_BLOCK, mask_fn_0),  # BlockMask.as_tuple(); the last item: get_attr of the mask_mod
         scale,                                # a float (flex's default 1/sqrt(D) already applied)
         kernel_options,                       # dict; OUTPUT_LOGSUMEXP / OUTPUT_MAX say which stats are read
-        score_mod_other_buffers,              # tuple of the tensors score_mod captured (ALiBi slopes, ...)
-        mask_mod_other_buffers,               # tuple of the tensors mask_mod captured (document ids, ...)
+        score_mod_other_buffers,              # tuple of the tensors score_mod captured (ALiBi slopes, ...;
+                                              # learned ones may require grad: the ring returns their gradient)
+        mask_mod_other_buffers,               # tuple of the tensors mask_mod captured (document ids, ...; constants)
     ) -> (out (B, Hq, S, Dv), lse (B, Hq, S) in log2 units, max_scores (B, Hq, S))
 
 ``create_block_mask`` inside the compiled function is traced into the graph (a vmap of the
@@ -96,11 +97,12 @@ def _buffers(node: fx.Node, arg: Any, what: str) -> Tuple[fx.Node, ...]:
                 f"cp_compile: the {what} of flex_attention at {source_line(node)} captures {val!r}, not a tensor; "
                 "the ring passes only tensors to mods. Fix: make the captured value a tensor (e.g. a buffer) or a "
                 "Python constant of the mod.")
-        if val.requires_grad:
+        if val.requires_grad and what == "mask_mod":
             raise CPRewriteError(
-                f"cp_compile: the {what} of flex_attention at {source_line(node)} reads {b.name}, which requires "
-                "grad (a learned bias); the ring treats mod buffers as constants and would drop its gradient. "
-                "Fix: detach it if it is not trained, or run this attention without context parallelism.")
+                f"cp_compile: the mask_mod of flex_attention at {source_line(node)} reads {b.name}, which requires "
+                "grad; a mask_mod's result is boolean, so the ring treats its buffers as constants and would drop "
+                "that gradient. Fix: detach it if it is not trained, or read it in the score_mod (a learned bias "
+                "there trains: the ring's backward returns its gradient).")
     return tuple(arg)
 
 
