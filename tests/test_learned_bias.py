@@ -237,6 +237,7 @@ def _hf_errors(impl: str, seq_len: int) -> tuple:
     return rel(loss.detach(), loss_ref.detach()), max(errors.values()), learned, ring_mismatches(backend, count.calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [
     (2, [("t5_sdpa", S), ("t5_getitem", S), ("alibi_scores", S), ("t5_encoder", 40)]),
     (4, [("t5_scores", S), ("alibi_sdpa", S)]),
@@ -249,6 +250,7 @@ def test_learned_biases_are_exact(ranks, world: int, cases: list) -> None:
                                                                                    rings)
 
 
+@pytest.mark.slow
 def test_hf_t5_encoder_model_is_exact(ranks) -> None:
     """transformers' T5EncoderModel, SDPA (``where(mask, position_bias, min)`` as attn_mask) and eager
     (``attn_weights + position_bias`` by hand, then the mask) implementations, with padding: the ring,
