@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_memory.py --seq-lens 4k,8k,16k,32k,64k --worlds 1,2,4,8 \\
         --llama-seq-lens 4k,16k,32k --cap-mib 4096                  # larger setting
 
-Three models, the unmodified example code in ``examples/models.py`` and ``examples/zoo/alibi.py``:
+The models, the unmodified example code in ``examples/models.py`` and ``examples/zoo/``:
 * ``block``: one transformer block (a 1-layer Llama: embedding, RMSNorm, GQA attention
   with RoPE, SwiGLU, LM head over a 256-byte vocabulary, cross-entropy);
 * ``llama``: the example Llama of ``examples/train_demo.py`` (dim 256, 2 layers, 4/2
@@ -19,7 +19,12 @@ Three models, the unmodified example code in ``examples/models.py`` and ``exampl
   ``attn_mask``; the rewrite makes it a score rule of the ring op. N = 1 and 4 only. Its N = 1
   reference is the model with that attention computed without an S x S bias (as FlashAttention's
   ``alibi_slopes`` does on a GPU): ``cp_compile.ring_attention`` on one process with the bias as
-  a ``score_mod`` (the graph-built (1, H, S, S) bias alone would be 1 GiB at S = 8k).
+  a ``score_mod`` (the graph-built (1, H, S, S) bias alone would be 1 GiB at S = 8k);
+* ``t5``: one T5 encoder block (dim 256, 4 heads, ReLU MLP 1024 as T5's 4 · dim, vocab 256) whose bias is a learned
+  (16, H) table read at the bucket of ``k − q`` (Hugging Face's ``_relative_position_bucket``), plus
+  the padding row, added to hand-written unscaled scores; the rewrite makes it a score rule whose table
+  trains. N = 1 and 4 only; its N = 1 reference is the same block with that attention run by
+  ``cp_compile.ring_attention`` on one process with the bias as a ``score_mod`` reading the table.
 
 For every (model, S, N) the script starts N fresh processes (one torch thread each,
 gloo on 127.0.0.1). N = 1 runs ``torch.compile(model, backend=INNER)`` (same compiler,
@@ -45,6 +50,7 @@ residual in the output lets you check.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from typing import Any, Dict, List
 
@@ -56,6 +62,7 @@ MODELS = {
     "llama": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
     "llama_ac": dict(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512),
     "alibi": dict(vocab=256, dim=256, n_layers=1, n_heads=4, batch=1),  # examples/zoo/alibi.py, causal, SDPA
+    "t5": dict(vocab=256, dim=256, n_layers=1, n_heads=4, batch=1, ffn=1024),  # examples/zoo/t5_encoder.py
 }
 
 
@@ -71,13 +78,36 @@ def _alibi_score(score, b, h, q_idx, kv_idx, slopes):
     return score + slopes[h] * (kv_idx - q_idx)
 
 
+def _t5_one_device(attn, hidden_states, mask=None, position_bias=None):
+    """The T5 attention as one device runs it without an S x S bias: cp_compile.ring_attention on one
+    process with the learned bucketed bias as a score_mod reading the (num_buckets, H) table whole."""
+    import cp_compile
+
+    b, s = hidden_states.shape[:2]
+    q, k, v = (f(hidden_states).view(b, s, attn.n_heads, -1).transpose(1, 2) for f in (attn.q, attn.k, attn.v))
+    score = functools.partial(_t5_score, attn.num_buckets, attn.max_distance)
+    out = cp_compile.ring_attention(q, k, v, scale=1.0, attn_mask=mask, score_mod=score,
+                                    score_buffers=[attn.relative_attention_bias.weight])
+    return attn.o(out.transpose(1, 2).reshape(b, s, -1)), position_bias
+
+
+def _t5_score(num_buckets, max_distance, score, b, h, q_idx, kv_idx, table):
+    from zoo.t5_encoder import T5Attention
+
+    bucket = T5Attention._relative_position_bucket(kv_idx - q_idx, True, num_buckets, max_distance)
+    return score + table[bucket, h]
+
+
 def _model(model_name: str, seq_len: int, world: int):
-    """(model, (input_ids, labels)) of one benchmark model; ``alibi`` at N = 1 without the S x S bias."""
-    import functools
-
+    """(model, (input_ids, labels)) of one benchmark model; ``alibi`` and ``t5`` at N = 1 without the S x S bias."""
     import models
-    from zoo import alibi
+    from zoo import alibi, t5_encoder
 
+    if model_name == "t5":
+        model, args = t5_encoder.factory(seq_len, 0, **MODELS["t5"])
+        for block in model.block if world == 1 else ():
+            block.SelfAttention.forward = functools.partial(_t5_one_device, block.SelfAttention)
+        return model, args
     if model_name != "alibi":
         model, args = models.llama_factory(seq_len=seq_len, batch=1, seed=0, max_seq_len=seq_len,
                                            **MODELS[model_name])
@@ -98,10 +128,10 @@ def rank_step(rank: int, world: int, model_name: str, seq_len: int, inner: str) 
 
     import cp_compile
 
-    model, (input_ids, labels) = _model(model_name, seq_len, world)
+    model, args = _model(model_name, seq_len, world)
     backend = inner if world == 1 else cp_compile.RingCP(inner=inner)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    return common.measure_train_step(model, compiled, (input_ids, labels), world)  # input_ids, labels: (1, S)
+    return common.measure_train_step(model, compiled, args, world)  # input_ids, (attention_mask,) labels: (1, S)
 
 
 def measure_all(args) -> List[Dict[str, Any]]:
@@ -109,6 +139,7 @@ def measure_all(args) -> List[Dict[str, Any]]:
     configs = [("block", s, n) for s in args.seq_lens for n in args.worlds]
     configs += [(name, s, n) for name in ("llama", "llama_ac") for s in args.llama_seq_lens for n in args.worlds]
     configs += [("alibi", s, n) for s in args.alibi_seq_lens for n in args.worlds if n in (1, 4)]
+    configs += [("t5", s, n) for s in args.t5_seq_lens for n in args.worlds if n in (1, 4)]
     rows = []
     for i, (model_name, s, n) in enumerate(configs, 1):
         common.log(f"[{i}/{len(configs)}] {model_name} S={s} N={n}")
@@ -172,6 +203,9 @@ def main(argv=None) -> None:
                    help="example-Llama sequence lengths, with and without activation checkpointing (default 16k)")
     p.add_argument("--alibi-seq-lens", type=common.int_list, default=common.int_list("8k"),
                    help="ALiBi block (examples/zoo/alibi.py) sequence lengths, N = 1 and 4 (default 8k)")
+    p.add_argument("--t5-seq-lens", type=common.int_list, default=common.int_list("8k"),
+                   help="T5 block (examples/zoo/t5_encoder.py, a learned relative bias) sequence lengths, N = 1 and "
+                        "4 (default 8k)")
     p.add_argument("--worlds", type=common.int_list, default=[1, 2, 4], help="CP sizes (default 1,2,4)")
     p.add_argument("--inner", default=INNER, choices=("aot_eager", "inductor"), help="inner compiler")
     p.add_argument("--cap-mib", type=float, default=2048.0, help="per-process RSS cap for the longest-S estimate")

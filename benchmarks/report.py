@@ -55,7 +55,8 @@ def check_memory(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
     meas = ", ".join(f"S={x['seq_len']}: {_f(x['ratio_above'])}×" for x in rows)
     out = [("1. memory (block)", "N=4 per-rank peak ≤ 0.30× N=1", meas, ok, why)]
     names = {"llama": ("example Llama", "N=1"), "llama_ac": ("example Llama, activation checkpointing", "N=1 with AC"),
-             "alibi": ("ALiBi block", "N=1 without an S×S bias")}
+             "alibi": ("ALiBi block", "N=1 without an S×S bias"),
+             "t5": ("T5 block, learned relative bias", "N=1 without an S×S bias")}
     one = {(x["model"], x["seq_len"]): x for x in r["rows"] if x["world"] == 1 and "error" not in x}
     for x in [x for x in r["rows"] if x["model"] in names and x["world"] == 4 and "ratio_above" in x]:
         what, ref_name = names[x["model"]]

@@ -170,10 +170,32 @@ def gather_seq(x: Tensor, dim: int, order: Tensor, inverse: Tensor, world: int, 
     return _GatherSeq.apply(x, dim, order, inverse, world, group_name)
 
 
+def seq_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int, dilation: int,
+               groups: int) -> Tensor:
+    """``F.conv1d(F.pad(x, (left, right)), weight, bias, 1, 0, dilation, groups)``: a stride-1 convolution
+    along the last dim with ``left`` / ``right`` zeros around it. The one spelling a causal or "same"
+    convolution along the sequence gets (:mod:`cp_compile.passes.normalize.neighbours`), whose layout
+    rule reads the neighbouring ranks' boundary tokens (:mod:`cp_compile.passes.propagate.rules.halo`)."""
+    return torch.nn.functional.conv1d(torch.nn.functional.pad(x, (left, right)), weight, bias, 1, 0, dilation,
+                                      groups)
+
+
+def seq_shift(x: Tensor, dim: int, offset: int) -> Tensor:
+    """``y[p] = x[p - offset]`` along ``dim``, zeros where ``p - offset`` falls outside (RWKV's token shift
+    ``F.pad(x, (0, 0, 1, -1))``, ``cat([zeros, x[:, :-1]], 1)``): one spelling for the halo rule."""
+    n = x.shape[dim]
+    o = min(abs(offset), n)
+    zeros = torch.zeros_like(x.narrow(dim, 0, o))
+    if offset >= 0:
+        return torch.cat([zeros, x.narrow(dim, 0, n - o)], dim)
+    return torch.cat([x.narrow(dim, o, n - o), zeros], dim)
+
+
 # The functions above that send or receive in the forward (a checkpointed region saves their results
 # rather than recomputing them in the backward: cp_compile.passes.normalize.regions).
 COMMUNICATING = (all_reduce_sum, gather_seq, gather_stack)
 
 # Every function above that the rewrite emits as a graph node (see :mod:`cp_compile.backend.aot_cache`).
 GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq, gather_stack,
+                   seq_conv1d, seq_shift,
                    additive_mask)  # the last: an explicit attention mask for the ring op (passes/masks/rows.py)

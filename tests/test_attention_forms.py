@@ -210,8 +210,8 @@ def logsumexp_form(q, k, v, p):
     return torch.exp(s - torch.logsumexp(s, dim=-1, keepdim=True)) @ v
 
 
-def learned_bias(q, k, v, p):  # a bias that requires grad: the ring applies biases of positions only
-    return torch.softmax(q @ k.transpose(-2, -1) + p["temperature"] * _alibi(), dim=-1) @ v
+def learned_bias(q, k, v, p):  # a bias from activations: the ring applies rules of positions and tables only
+    return torch.softmax(q @ k.transpose(-2, -1) + q.mean() * _alibi(), dim=-1) @ v
 
 
 def active_dropout(q, k, v, p):

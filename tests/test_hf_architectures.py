@@ -53,7 +53,7 @@ SLOW = {
         # Position ids from a cumsum of the non-pad tokens: a scan over the sequence, by every rank's
         # run totals (rules/scans.py), no gather.
         "roberta": "ring",
-        "lfm2": "ring + gathers",  # a hybrid: short convolutions (conv1d, gathered, warned) and attention
+        "lfm2": "ring",  # a hybrid: short causal convolutions (conv1d(x)[..., :S]: a halo exchange) and attention
         "deberta": "no CP, warned",  # disentangled attention, a learned relative bias: left whole, warned
         "xglm": "no CP, warned",  # hand-written attention in a form ring_cp does not recognise, warned
         # Sequence classification over two lengths (characters, then every 4th): refused by name.

@@ -60,8 +60,10 @@ PER_TOKEN = {  # name -> (op, what the hand table must not list)
     # in place on a sharded destination, along the features (DeepSeek-V3's group mask: mask.scatter_(1, idx, 1))
     "scatter_in_place_features": (lambda m, x: x.clone().scatter_(-1, x.argmax(-1, keepdim=True), 0.0),
                                   ("method", "scatter_")),
-    "conv1d_kernel_1": (lambda m, x: F.conv1d(x.transpose(1, 2), m.table[:, :, None][:D]).transpose(1, 2),
-                        F.conv1d),  # SqueezeBERT's (B, C, S) 1x1 convolutions: a linear per position
+    # SqueezeBERT's (B, C, S) 1x1 convolutions: a linear per position (conv1d has a hand rule, rules/halo.py;
+    # the oracle keeps a kernel of 1 along the sequence in any convolution: here a conv2d over (S, 1))
+    "conv2d_kernel_1": (lambda m, x: F.conv2d(x.transpose(1, 2)[..., None], m.table[:D, :, None, None])
+                        .squeeze(-1).transpose(1, 2), torch.conv2d),
 }
 # The scans (cumsum, cumprod, logcumsumexp, cummax, cummin) have a hand rule (rules/scans.py:
 # tests/test_scans.py); that the oracle alone still stops on one along the sequence written with a
@@ -71,8 +73,8 @@ MIXING = {
     "softmax_seq": lambda m, x: x.softmax(1),
     "flip_seq": lambda m, x: x.flip(1),
     "amax_seq": lambda m, x: x - x.amax(1, keepdim=True),  # (topk over the sequence has a rule: order.py)
-    "conv1d_kernel_3_seq": lambda m, x: F.conv1d(x.transpose(1, 2), m.table[:D, :, None].expand(D, D, 3),
-                                                 padding=1).transpose(1, 2),
+    "conv2d_kernel_3_seq": lambda m, x: F.conv2d(x.transpose(1, 2)[..., None], m.table[:D, :, None, None]
+                                                 .expand(D, D, 3, 1), padding=(1, 0)).squeeze(-1).transpose(1, 2),
 }
 
 

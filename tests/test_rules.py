@@ -19,6 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from cp_compile import graph_ops
 from cp_compile.passes.propagate.rules import RULES
 from cp_compile.passes.propagate.rules.common import _key
 from cp_compile.tools.explain import explain_model
@@ -60,6 +61,8 @@ ROWS: dict = {
     "einsum": (lambda m, x: torch.einsum("bsd,de->bse", x, m.w), "einsum", torch.einsum, (2, C, D)),
     "local_response_norm": (lambda m, x: F.local_response_norm(x.transpose(1, 2), 3).transpose(1, 2), "pointwise",
                             F.local_response_norm, (2, D, C)),
+    "causal_conv_halo": (lambda m, x: F.conv1d(F.pad(x.transpose(1, 2), (2, 0)), m.w[:, :, None].expand(D, D, 3))
+                         .transpose(1, 2), "halo", graph_ops.seq_conv1d, (2, D, C)),
     "complex_views": (lambda m, x: torch.view_as_real(torch.view_as_complex(x.view(2, S, D // 2, 2))).view(2, S, D),
                       "complex", torch.view_as_complex, (2, C, D // 2)),
 }
@@ -174,6 +177,8 @@ _INPUTS: dict = {
     "labels": (lambda: torch.randint(0, V, (S,)), 0),
     "q": (lambda: torch.randn(B, 2, S, D), 2),
     "cplx": (lambda: torch.randn(B, S, D // 2, 2), 1),
+    "xt": (lambda: torch.randn(B, D, S), 2),  # (B, C, S): the sequence as a convolution's length
+    "wconv": (lambda: torch.randn(D, 1, 3) * 0.3, None),  # depthwise, K = 3
     "z": (lambda: torch.randn(B, S, D // 2, dtype=torch.complex64), 1),
     "w": (lambda: torch.randn(D, D) * 0.3, None),
     "w3": (lambda: torch.randn(B, D, D) * 0.3, None),
@@ -251,6 +256,10 @@ _SAMPLES: dict = {  # rule key -> (args, kwargs); _p(name) is the placeholder of
     torch.view_as_complex: ((_p("cplx"),), {}),
     torch.view_as_real: ((_p("z"),), {}),
     torch.einsum: (("bsd,de->bse", _p("x"), _p("w")), {}),
+    torch.conv1d: ((_p("xt"), _p("wconv"), _p("bias"), 1, 1, 1, D), {}),
+    graph_ops.seq_conv1d: ((_p("xt"), _p("wconv"), _p("bias"), 2, 0, 1, D), {}),
+    graph_ops.seq_shift: ((_p("x"), 1, 1), {}),
+    **{k: ((_p("x"), -3, 1), {}) for k in (torch.roll, ("method", "roll"))},
     **{("method", m): ((_p("x"), (B, S, D)), {}) for m in ("new_empty", "new_zeros", "new_ones")},
     ("method", "new_full"): ((_p("x"), (B, S, D), 1.0), {}),
     **{k: ((_p("mask1"),), {}) for k in (torch.nonzero, ("method", "nonzero"), torch.argwhere,
@@ -337,6 +346,8 @@ _UNDECIDED = {  # ops the oracle gives no verdict for, and why (the rule's verdi
     "histc": _MIXES, "cross_entropy": _MIXES, "nll_loss": _MIXES, "mse_loss": _MIXES, "l1_loss": _MIXES,
     "scaled_dot_product_attention": "attention reads every position's keys (the rule makes it the ring)",
     "local_response_norm": "its ATen decomposition (avg_pool3d over the channels) has no DTensor strategy",
+    **{k: "it reads neighbouring tokens (the rule exchanges the runs' boundary tokens)"
+       for k in ("conv1d", "seq_conv1d", "seq_shift", "roll")},
     "nonzero": _SELECTS, "argwhere": _SELECTS, "sort": _SELECTS, "argsort": _SELECTS,
     **{k: _MIXES for k in ("argmax", "argmin", "max", "min", "median", "topk", "kthvalue")},
     **{k: "it reads positions chosen by data (the owner's rows, all-reduced: Global)"

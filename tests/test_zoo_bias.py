@@ -7,7 +7,8 @@
 * The prefix-LM mask ``(kv <= q) | (kv < P)`` (examples/zoo/prefix_lm.py) becomes a mask_mod.
 * Exact on 2 and 4 ranks, every attention the ring (tests/test_zoo.py runs the members; here the
   other variants, and the score kernel cut into row tiles as long sequences are).
-* A learned bias (slopes that are an nn.Parameter) is refused, naming the line and the fix.
+* A bias computed from activations is refused, naming the line and the fix (learned slopes, an
+  nn.Parameter, are a rule: tests/test_learned_bias.py).
 """
 
 from __future__ import annotations
@@ -118,20 +119,24 @@ def _leaf_values(gm, nodes) -> list:
     return [env[x] for x in nodes]
 
 
-class _LearnedAlibi(alibi.AlibiAttention):
-    """ALiBi whose slopes are trained (an nn.Parameter): the bias needs a gradient."""
+class _ActivationAlibi(alibi.AlibiAttention):
+    """ALiBi whose slopes are computed from the activations (q): no rule of positions over whole tables
+    (learned slopes, an nn.Parameter, are one: tests/test_learned_bias.py)."""
 
     def __init__(self) -> None:
         super().__init__(32, 4, causal=True, form="sdpa", slopes="buffer", bias="relative")
-        del self.slopes
-        self.slopes = torch.nn.Parameter(alibi.alibi_slopes(4))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(q.shape[2], device=q.device)
+        bias = q.mean(dim=(0, 2, 3))[:, None, None] * (pos[None, :] - pos[:, None])  # (H, S, S), requires grad
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias[None], is_causal=False)
 
 
-def test_a_learned_bias_is_refused_naming_the_line_and_the_fix() -> None:
+def test_a_bias_from_activations_is_refused_naming_the_line_and_the_fix() -> None:
     with pytest.raises(CPRewriteError) as err:
-        explain_model(_LearnedAlibi(), (torch.randn(3, S, 32),), world_size=2)
+        explain_model(_ActivationAlibi(), (torch.randn(3, S, 32),), world_size=2)
     text = str(err.value)
-    assert "requires grad" in text and "alibi.py:" in text and "Fix:" in text, text
+    assert "requires grad" in text and "test_zoo_bias.py:" in text and "Fix:" in text, text
 
 
 # -- exactness of the variants the zoo test does not run (multi-rank) -----------------------------

@@ -80,13 +80,26 @@ def erase_unused(graph: fx.Graph, nodes: Iterable[Any]) -> None:
     todo, erased = [n for n in nodes if isinstance(n, fx.Node)], set()
     while todo:
         node = todo.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method") or mutates(node) \
-                or _returns_nothing(node):
+        if node in erased or node.users or node.op not in ("call_function", "call_method") \
+                or (mutates(node) and not _dead_private_write(node)) or _returns_nothing(node):
             continue
         erased.add(node)
         inputs = node.all_input_nodes
         graph.erase_node(node)
         todo.extend(inputs)
+
+
+def _dead_private_write(node: fx.Node) -> bool:
+    """``x += y`` (an in-place operator) whose result nothing reads, on an x that only this op reads and
+    that a pure op made fresh (no view, no input): the write is seen by nobody (T5's
+    ``relative_buckets += where(...)`` once the ring replaced the bias it built)."""
+    x = node.args[0] if node.args else None
+    if node.target not in IN_PLACE_OPERATORS or node.target in (operator.setitem, operator.delitem) \
+            or not isinstance(x, fx.Node) or set(x.users) != {node} or x.op not in ("call_function", "call_method") \
+            or mutates(x):
+        return False
+    val = fake_value(x)
+    return isinstance(val, torch.Tensor) and not val._is_view()
 
 
 FUNCTORCH_BOOKKEEPING = ("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions")

@@ -44,6 +44,7 @@ from .normalize.expand_mha import expand_mha
 from .normalize.fuse_attention import fuse_attention
 from .normalize.loss_shift import move_loss_slices
 from .normalize.mask_views import distribute_mask_views
+from .normalize.neighbours import fold_neighbour_reads
 from .normalize.nested import refuse_nested_tensors
 from .normalize.patch_conv import open_patch_convs
 from .normalize.regions import inline_regions
@@ -134,6 +135,7 @@ PASSES: Tuple[Pass, ...] = (
     Pass("drop_block_masks", "normalize", drop_block_masks),
     Pass("find_unsplit_attention", "analyze", find_unsplit_attention),
     Pass("move_loss_slices", "normalize", move_loss_slices, has_attention),
+    Pass("fold_neighbour_reads", "normalize", fold_neighbour_reads, has_attention),
     Pass("choose_seq_inputs", "analyze", _choose_seq_inputs, has_attention),
     Pass("documents_first", "normalize", documents_first, has_attention),
     Pass("resolve_candidates", "analyze", _resolve_candidates, has_attention),

@@ -99,5 +99,5 @@ def factory(seq_len: int = SEQ_LEN, seed: int = 0):
 
 MEMBER = Member("clip_text", "Hugging Face CLIPTextTransformer: causal -inf triangle mask, final LayerNorm, pooled "
                 "at the first EOS ((ids == eos).int().argmax(-1), several EOS per row), text projection, MSE "
-                "(argmax and the read finished over the ranks, no gather)", factory, worlds=(2, 4),
+                "(argmax and the read finished over the ranks, no gather)", factory,
                 zero_grads=("k_proj.bias",))  # q · b_k shifts a row of scores: softmax-invariant

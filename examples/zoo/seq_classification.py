@@ -113,4 +113,4 @@ def factory(seq_len: int = SEQ_LEN, seed: int = 0):
 
 MEMBER = Member("seq_classification", "Hugging Face LlamaForSequenceClassification: score head over every token, "
                 "right padding, pooled at (arange(S) * (ids != pad)).argmax(-1) by logits[arange(B), last] "
-                "(argmax and the read finished over the ranks, no gather)", factory, worlds=(2, 4))
+                "(argmax and the read finished over the ranks, no gather)", factory)

@@ -89,14 +89,25 @@ def _check_mask(node: fx.Node, ctx: RewriteContext, seq_len: int) -> None:
             "is_causal=True (or a mask that is not a tensor). Fix: fold causality into the mask, or pass "
             "is_causal=True and no attn_mask."
         )
+    kind = classify_mask(mask, node, seq_len)
     val = mask.meta.get("example_value")
-    if isinstance(val, torch.Tensor) and val.requires_grad:
+    if isinstance(val, torch.Tensor) and val.requires_grad and not _learned_parts_lifted(kind):
         raise CPRewriteError(
             f"cp_compile: the attn_mask of scaled_dot_product_attention at {source_line(node)} requires grad "
-            "(a learned attention bias); the ring op treats masks as constants and would drop its gradient. "
-            "Fix: detach the bias if it is not trained, or run this model without context parallelism."
+            "(a learned attention bias) and is not a rule of positions over whole learned tables (T5's "
+            "bucketed relative bias, learned ALiBi slopes); the ring op treats other masks as constants and "
+            "would drop its gradient. Fix: detach the bias if it is not trained, build it from positions and "
+            "parameters only (not from activations), or run this model without context parallelism."
         )
-    ctx.masks[node] = classify_mask(mask, node, seq_len)
+    ctx.masks[node] = kind
+
+
+def _learned_parts_lifted(kind) -> bool:
+    """Whether every part of a mask that requires grad became a score rule (its learned tables the ring
+    op's score buffers, their gradient from its backward): no explicit term or document ids need one."""
+    parts = list(kind.explicit) + list(kind.explicit_adds) + ([kind.doc_ids] if kind.doc_ids is not None else [])
+    grads = [isinstance(v := p.meta.get("example_value"), torch.Tensor) and v.requires_grad for p in parts]
+    return not any(grads) and any(r.learned for r in kind.scores)
 
 
 def find_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:

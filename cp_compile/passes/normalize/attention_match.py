@@ -40,8 +40,8 @@ import torch.fx as fx
 from ..op_vocab import (ADD, BADDBMM, CASTS, DIV, DROPOUT, EINSUM, MASKED_FILL, MATMUL, MUL, SOFTMAX, SUB, VIEWS,
                        WHERE, arguments, is_, same, tensor)
 
-LEARNED_BIAS = ("its bias requires grad (learned, or computed from activations); the ring op applies biases "
-                "of positions only")
+LEARNED_BIAS = ("its bias requires grad and is not a rule of positions over whole learned tables (it is computed "
+                "from activations); the ring op applies biases of positions and learned tables only")
 MASKING_FILL = -1e4  # a fill at or below this masks its score (exp underflows to 0 next to any real score)
 
 
@@ -243,7 +243,7 @@ class _Walk:
         bv = tensor(bias)
         if bv is None or not bv.is_floating_point():
             return None, ""
-        if bv.requires_grad:
+        if bv.requires_grad and not _learned_rule(bias):
             return None, LEARNED_BIAS
         if self.m.row_scales:
             return None, "it adds a bias below a tensor scale"
@@ -273,6 +273,14 @@ class _Walk:
         return x, None
 
 
+def _learned_rule(bias: Any) -> bool:
+    """A bias that requires grad is fused only when it is a rule of positions over whole learned tables
+    (T5's bucketed relative bias, learned ALiBi slopes: :func:`..analyze.masks.verify.learned_bias_lifts`)."""
+    from ..analyze.masks.verify import learned_bias_lifts
+
+    return isinstance(bias, fx.Node) and learned_bias_lifts(bias)
+
+
 def _masks(fill: Any) -> bool:
     return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= MASKING_FILL
 
@@ -288,7 +296,7 @@ def _backward(m: Match, scores: fx.Node) -> Optional[str]:
     while True:
         if not isinstance(node, fx.Node):
             return ""
-        if len(node.users) != 1:
+        if len(node.users) - _dtype_reads(node, m.chain) != 1:
             return "the attention scores are also used elsewhere"
         below.append(node)
         product = _product_qk(m, node, walk.mult)
@@ -301,6 +309,13 @@ def _backward(m: Match, scores: fx.Node) -> Optional[str]:
         node, why = walk.step(node)
         if node is None:
             return why
+
+
+def _dtype_reads(node: fx.Node, chain: List[fx.Node]) -> int:
+    """How many of ``node``'s users only read its dtype from inside the chain: HF T5's
+    ``softmax(scores.float()).type_as(scores)`` casts the weights back to the scores' dtype."""
+    return sum(1 for u in node.users if u in chain and is_(u, {"type_as"}) and len(u.args) == 2
+               and u.args[1] is node and u.args[0] is not node)
 
 
 def _product_qk(m: Match, node: fx.Node, mult: float) -> Any:
@@ -318,7 +333,7 @@ def _product_qk(m: Match, node: fx.Node, mult: float) -> Any:
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         if not all(isinstance(x, (int, float)) for x in (beta, alpha)) or tensor(bias) is None:
             return "its baddbmm's beta or alpha is not a number"
-        if beta != 0 and tensor(bias).requires_grad:
+        if beta != 0 and tensor(bias).requires_grad and not _learned_rule(bias):
             return LEARNED_BIAS
         m.q, m.k, m.scale = _as_is(q), _transposed(kt), mult * alpha
         if beta != 0:

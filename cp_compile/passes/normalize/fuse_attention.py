@@ -33,8 +33,9 @@ to the products' dtype the same way.
 
 Left as written (:mod:`.unsplit` names each one in a WARNING, the reason from the matcher):
 the S x S scores or weights used by anything else (returned, regularised, ...); a scale that
-is not a number or a per-row tensor; active dropout; a bias that requires grad (learned, or
-computed from activations: the ring op applies biases of positions only); q/k/v whose
+is not a number or a per-row tensor; active dropout; a bias that requires grad and is not a rule
+of positions over whole learned tables (one computed from activations; T5's learned relative bias and
+learned ALiBi slopes are fused: :func:`..analyze.masks.verify.learned_bias_lifts`); q/k/v whose
 lengths or batch dims differ (cross-attention); the two products in different dtypes. A
 masked_fill with a finite fill (``finfo.min``, -1e9) becomes a boolean mask: identical except
 on rows where every key is masked, which a hand-written softmax spreads uniformly and SDPA does not.

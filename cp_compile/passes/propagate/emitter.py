@@ -157,8 +157,8 @@ class Emitter:
     def fallback(self, node: fx.Node, why: str) -> Any:
         """Gather every Sharded input of ``node`` and run it on full sequences.
 
-        A result shaped like a gathered input (``roll``, ``flip`` along the sequence, a
-        same-padded conv, a scan under ``load_balance="striped"``) is sharded again at once,
+        A result shaped like a gathered input (``flip`` along the sequence, ``roll`` of a padded
+        sequence, a conv or a scan under ``load_balance="striped"``) is sharded again at once,
         along that input's dim: the gather costs the one op that needs the whole sequence,
         not every op after it.
         Any other result stays Global."""

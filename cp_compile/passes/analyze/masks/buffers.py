@@ -16,7 +16,7 @@ follow abstractly:
   buffers, frozen parameters, tensors Dynamo lifted as constants) is evaluated on the real
   tensors Dynamo traced with (each placeholder's ``grapharg`` holds the tensor the backend
   receives as its example input). Not evaluated: a term reading a forward() argument or an
-  activation, a parameter that requires grad (a learned bias: refused by find_attention), a
+  activation, a parameter that requires grad (a learned bias: a rule of :mod:`.lift` or refused), a
   random op, state that the graph writes to, an in-place op on a value anything else reads
   or shares memory with (PyTorch's ``zeros_like(m, dtype=float).masked_fill_(m, -inf)`` in
   nn.MultiheadAttention writes to a fresh tensor: evaluated), or intermediates larger than
@@ -47,6 +47,7 @@ at INFO saying so.
 
 from __future__ import annotations
 
+import contextvars
 import operator
 import re
 from dataclasses import dataclass
@@ -70,6 +71,11 @@ _RANDOM = re.compile(r"rand|normal|bernoulli|multinomial|poisson|dropout|empty|u
 
 # beyond rows.is_elementwise: ops whose value on x[:T, :T] is their value on x, cut to [:T, :T]
 _CORNER_SAFE = {"zeros_like", "ones_like", "full_like", "clone", "masked_fill_"}
+
+
+# real_values(learned=True): parameters that require grad are read too (their current values, detached),
+# to check a lifted rule of a learned bias against its term; never to classify a term by its values
+_LEARNED: contextvars.ContextVar = contextvars.ContextVar("cp_compile_masks_learned", default=False)
 
 
 class NotConstant(Exception):
@@ -146,7 +152,7 @@ def _state(node: fx.Node) -> torch.Tensor:
             raise NotConstant(f"{node.name} is a model input, an activation or a size")
     if not isinstance(tensor, torch.Tensor) or is_fake(tensor) or tensor.device.type == "meta":
         raise NotConstant(f"{node.name} has no real value here")
-    if tensor.requires_grad:
+    if tensor.requires_grad and not _LEARNED.get():
         raise NotConstant(f"{node.name} requires grad (a learned bias)")
     if _mutated(node):
         raise NotConstant(f"{node.name} is modified in place by the graph")
@@ -347,12 +353,14 @@ def _describe(bounds: Optional[Bounds]) -> str:
     return f"the band {lo} <= kv - q <= {hi}"
 
 
-def real_values(nodes: List[fx.Node]) -> Optional[List[torch.Tensor]]:
+def real_values(nodes: List[fx.Node], learned: bool = False) -> Optional[List[torch.Tensor]]:
     """The real values of ``nodes``, computed now from constants and gradient-free state as
     :func:`constant_band` computes a term (one evaluation, shared intermediates), or None when
-    one of them reads anything else, is a symbolic-size slice, or does not run on real values."""
+    one of them reads anything else, is a symbolic-size slice, or does not run on real values.
+    ``learned``: parameters that require grad count as state too (read now, under no_grad)."""
     memo: Dict[fx.Node, _Value] = {}
     leaves: List[fx.Node] = []
+    token = _LEARNED.set(learned)
     try:
         with torch.no_grad(), unset_fake_temporarily():
             out = [_evaluate(n, memo, leaves) for n in nodes]
@@ -362,6 +370,8 @@ def real_values(nodes: List[fx.Node]) -> Optional[List[torch.Tensor]]:
     except Exception as e:  # noqa: BLE001 - an op that does not run on the real values: not evaluated
         log.debug("cp_compile: %s could not be evaluated: %s: %s", [n.name for n in nodes], type(e).__name__, e)
         return None
+    finally:
+        _LEARNED.reset(token)
     if any(v.prefix or not isinstance(v.value, torch.Tensor) for v in out):
         return None
     return [v.value for v in out]

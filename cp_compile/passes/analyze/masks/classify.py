@@ -90,12 +90,14 @@ class MaskKind:
     doc_ids: Optional[fx.Node] = None
     rules: Tuple[Rule, ...] = ()
     scores: Tuple[Rule, ...] = ()
+    explicit_adds: Tuple[fx.Node, ...] = ()  # additive float terms added to the explicit mask (a key-padding
+    # ``(1 - mask) * finfo.min`` next to a score rule), this rank's rows
 
 
 def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
     """The meaning of the graph-built ``mask`` of ``sdpa`` (see the module docstring)."""
-    split = _split_additive(mask, seq_len)  # a float mask: keep terms and score rules
-    (band, rest), scores = split if split is not None else (_split(mask, {}, seq_len), [])
+    split = _split_additive(mask, seq_len)  # a float mask: keep terms, score rules, explicit additive terms
+    (band, rest), scores, adds = split if split is not None else (_split(mask, {}, seq_len), [], [])
     docs = [t for t in rest if isinstance(t, Doc)]
     if len({d.ids for d in docs}) > 1:  # two different document terms: explicit (exact, O(S^2 / N))
         rest, docs = [t.term if isinstance(t, Doc) else t for t in rest], []
@@ -104,7 +106,7 @@ def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
     kind = _band_kind(band, seq_len)
     if kind is None:  # a band the ring op cannot express: the whole mask as one rule of positions, or explicit
         whole = _lifted(mask, seq_len)
-        kind, docs, rest, scores = MaskKind(causal=False), [], [whole if whole is not None else mask], []
+        kind, docs, rest, scores, adds = MaskKind(causal=False), [], [whole if whole is not None else mask], [], []
     # a lifted term is a mask_mod if boolean, a score_mod if float (what SDPA makes of the term)
     scores = list(scores) + [t for t in rest if isinstance(t, Rule) and t.additive]
     rules = tuple(t for t in rest if isinstance(t, Rule) and not t.additive)
@@ -112,41 +114,53 @@ def classify_mask(mask: fx.Node, sdpa: fx.Node, seq_len: int) -> MaskKind:
     doc_ids = docs[0].ids if docs else None
     if doc_ids is not None:
         read_inputs_whole(mask)  # X and the erased terms are computed from whole inputs (docs.py)
-    if explicit or doc_ids is not None or rules or scores:
-        log.info("cp_compile: attention at %s: mask %s = %s%s%s%s", source_line(sdpa), mask.name,
+    if explicit or doc_ids is not None or rules or scores or adds:
+        log.info("cp_compile: attention at %s: mask %s = %s%s%s%s%s", source_line(sdpa), mask.name,
                  "causal" if kind.causal else "full", f" (window {kind.window})" if kind.window > 0 else "",
                  f", documents {doc_ids.name}" if doc_ids is not None else "",
-                 "".join(f", {what} rule {r.term.name}"
-                         for what, rs in (("mask", rules), ("score", scores)) for r in rs))
-    return MaskKind(kind.causal, kind.window, explicit, doc_ids, rules, tuple(scores))
+                 "".join(f", {what} rule {r.term.name}{' (learned)' if r.learned else ''}"
+                         for what, rs in (("mask", rules), ("score", scores)) for r in rs),
+                 "".join(f", explicit additive {a.name}" for a in adds))
+    return MaskKind(kind.causal, kind.window, explicit, doc_ids, rules, tuple(scores), tuple(adds))
 
 
-def _split_additive(mask: fx.Node, seq_len: int) -> Optional[Tuple[Tuple[Band, List[Any]], List[Rule]]]:
-    """((band, rest) of the keep terms, score rules) of a float mask whose every additive term is a
-    0 / -inf band or a function of positions (:mod:`.lift`); None otherwise (then the float mask is
-    one term, as before: explicit unless its values are a band)::
+def _split_additive(mask: fx.Node, seq_len: int):
+    """((band, rest) of the keep terms, score rules, explicit additive terms) of a float mask whose
+    additive terms are 0 / -inf bands or functions of positions (:mod:`.lift`), and, next to at least
+    one such rule, other additive terms that need no gradient (a key-padding ``(1 - m) * finfo.min``,
+    applied as explicit rows); None otherwise (then the float mask is one term, as before: explicit
+    unless its values are a band)::
 
-        alibi.masked_fill(kv > q, -inf)   ->  (Band(hi=0), []), [Rule(alibi)]"""
+        alibi.masked_fill(kv > q, -inf)   ->  (Band(hi=0), []), [Rule(alibi)], []
+        t5_bias + (1 - m) * min           ->  (Band(), []), [Rule(t5_bias)], [(1 - m) * min]"""
     made: List[fx.Node] = []
     parts = additive_parts(mask, lambda target, args, like: _made(made, target, args, like))
     if parts is None:
         return None
     keeps, adds = parts
-    band, scores = Band(), []
+    band, scores, other = Band(), [], []
     for a in adds:
         bounds = constant_band(a, seq_len) if isinstance(a, fx.Node) else None
         rule = _lifted(a, seq_len) if bounds is None and isinstance(a, fx.Node) else None
         if bounds is None and rule is None:
-            for n in reversed(made):
-                mask.graph.erase_node(n)
-            return None
+            other.append(a)
+            continue
         band, scores = (_intersect(band, Band(*bounds)), scores) if bounds is not None else (band, scores + [rule])
+    if other and (not scores or not all(isinstance(a, fx.Node) and not _requires_grad(a) for a in other)):
+        for n in reversed(made):
+            mask.graph.erase_node(n)
+        return None
     rest: List[Any] = []
     memo: Dict[fx.Node, Abstract] = {}
     for k in keeps:
         b, r = _split(k, memo, seq_len)
         band, rest = _intersect(band, b), rest + r
-    return (band, rest), scores
+    return (band, rest), scores, other
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    val = fake_value(node)
+    return isinstance(val, torch.Tensor) and val.requires_grad
 
 
 def _made(made: List[fx.Node], target: Any, args: tuple, like: fx.Node) -> fx.Node:

@@ -21,8 +21,16 @@ and key dim of the (B, H, S, S) mask. It stops at the first value that does not 
 both the query and the key dim: a *leaf*, O(S) at most, computed whole on every rank and
 passed to the ring op reshaped to (B|1, H|1, S|1, S|1). The ops above the leaves (the
 ``body``) are re-run per rectangle on the leaves read at (b, h, q, kv); views and ``expand``
-are the identity there. A leaf must need no gradient and read no model input: a learned bias
-is refused before this (find_attention), an input-dependent one stays explicit.
+are the identity there. A leaf must read no model input or activation (an input-dependent term
+stays explicit); it may require grad (learned ALiBi slopes): the ring op returns its gradient.
+
+A table read whole at a rule of positions is a leaf of its own kind (``whole``), passed as it is::
+
+    bucket = f(pos[None, :] - pos[:, None])                                # (S, S) int, a rule
+    bias = embedding(bucket, weight).permute([2, 0, 1]).unsqueeze(0)       # (1, H, S, S): T5's term
+        -> score_mod(score, b, h, q, kv, kv4, q4, weight) = score + weight[f(kv4[..kv] - q4[..q]), h]
+
+The body takes (b, h, q_idx, kv_idx) first, then the leaves (read at them) and tables (whole).
 
 :func:`additive_parts` splits a float mask into its boolean keep terms and its additive terms
 (``where(keep, a, -inf)``, ``a.masked_fill(m, -inf)``, ``a + b``), so that the causal part of
@@ -42,6 +50,7 @@ import torch.fx as fx
 
 from ...context import fake_value, source_line
 from ...op_vocab import VALUE_VIEWS
+from ...op_vocab import arguments as op_vocab_arguments
 from ..graph_inputs import is_parameter_like
 from .rows import is_elementwise
 
@@ -50,6 +59,16 @@ Q, KV = -2, -1
 MASKING = -1e30  # an additive fill at or below this masks (HF's finfo.min, -inf)
 _VIEWS = VALUE_VIEWS
 _EXPANDS = {"expand", "expand_as", "broadcast_to"}
+_PERMUTES = {"permute", "transpose", "swapaxes", "swapdims"}
+_LOOKUPS = {torch.nn.functional.embedding}  # F.embedding(ids, table): a table lookup at a rule of positions
+_LIKE = {"full_like", "zeros_like", "ones_like"}  # one value per element: elementwise
+# in-place and two-tensor forms as the functions the body runs on one (b, h, q, kv)
+_FUNCTIONAL = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+               operator.itruediv: operator.truediv, torch.min: torch.minimum, torch.max: torch.maximum}
+_BINARY = {torch.minimum, torch.maximum}
+
+
+Bodies = Tuple[Tuple[fx.GraphModule, Tuple[bool, ...]], ...]  # each rule's body and which leaves are tables
 
 
 @dataclass(frozen=True)
@@ -60,7 +79,16 @@ class Rule:
     term: fx.Node
     body: fx.GraphModule
     leaves: Tuple[fx.Node, ...]
-    shapes: Tuple[Tuple[int, int, int, int], ...]
+    shapes: Tuple[Tuple[int, ...], ...]
+    whole: Tuple[bool, ...] = ()  # per leaf: a table read whole (its own shape), not at (b, h, q, kv)
+
+    def read_whole(self, i: int) -> bool:
+        return bool(self.whole) and self.whole[i]
+
+    @property
+    def learned(self) -> bool:
+        """Whether a leaf requires grad (a learned table or slopes): a score buffer that trains."""
+        return any(_requires_grad(leaf) for leaf in self.leaves)
 
     @property
     def additive(self) -> bool:
@@ -83,6 +111,11 @@ def _present(shape: Tuple[int, ...], roles: Dict[int, int]) -> Dict[int, int]:
     return {r: d for r, d in roles.items() if -d <= len(shape) and shape[d] != 1}
 
 
+def _requires_grad(node: Any) -> bool:
+    val = fake_value(node) if isinstance(node, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.requires_grad
+
+
 def _target(node: fx.Node) -> Any:
     return node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
 
@@ -94,7 +127,9 @@ class _Walk:
         self.seq_len, self.graph = seq_len, fx.Graph()
         self.env: Dict[fx.Node, fx.Node] = {}
         self.leaves: List[fx.Node] = []
-        self.shapes: List[Tuple[int, int, int, int]] = []
+        self.shapes: List[Tuple[int, ...]] = []
+        self.whole: List[bool] = []
+        self.index = {r: self.graph.placeholder(n) for r, n in zip(ROLES, ("b", "h", "q_idx", "kv_idx"))}
 
     def visit(self, node: Any, roles: Dict[int, int]) -> Any:
         """The body's value of ``node`` (old), whose dims play ``roles``; None: not liftable."""
@@ -116,25 +151,47 @@ class _Walk:
 
     def _leaf(self, node: fx.Node, shape: Tuple[int, ...], present: Dict[int, int]) -> Optional[fx.Node]:
         varying = [d for d in range(-len(shape), 0) if shape[d] != 1]
-        if sorted(present.values()) != varying or not _gradient_free_state(node):
-            return None  # a dim that is no mask dim, or a value that is not whole constant state
+        if sorted(present.values()) != varying or not _state_only(node):
+            return None  # a dim that is no mask dim, or a value that is not whole state
         sizes = [1, 1, 1, 1]
         for role, d in present.items():
             sizes[role] = shape[d]
+        return self._placeholder(node, tuple(sizes), whole=False)
+
+    def _placeholder(self, node: fx.Node, shape: Tuple[int, ...], whole: bool) -> fx.Node:
         self.leaves.append(node)
-        self.shapes.append(tuple(sizes))
+        self.shapes.append(shape)
+        self.whole.append(whole)
         return self.graph.placeholder(f"leaf{len(self.leaves) - 1}")
+
+    def _table(self, node: Any) -> Optional[fx.Node]:
+        """A lookup table read whole (T5's (num_buckets, H) ``relative_attention_bias.weight``): state,
+        learned or not, that no position indexes; its body placeholder."""
+        if not isinstance(node, fx.Node) or _shape(node) is None or not _state_only(node):
+            return None
+        if node in self.env:
+            return self.env[node]
+        self.env[node] = self._placeholder(node, _shape(node), whole=True)
+        return self.env[node]
 
     def _op(self, node: fx.Node, shape: Tuple[int, ...], roles: Dict[int, int]) -> Optional[fx.Node]:
         """An op whose value spans both position dims: elementwise, expand, or a size-1 view."""
         if node.op not in ("call_function", "call_method"):
             return None
         name = _target(node)
+        if node.target in _LOOKUPS or node.target is operator.getitem and isinstance(node.args[1], fx.Node):
+            return self._lookup(node, shape, roles)
+        if name in _PERMUTES:
+            inner = _permute_roles(node, roles)
+            return None if inner is None else self.visit(node.args[0], inner)
         if name in _EXPANDS or (name in _VIEWS and node.op == "call_method") or node.target is operator.getitem:
             src = node.args[0]
             inner = _view_roles(node, src, roles) if name not in _EXPANDS else roles
             return None if inner is None else self.visit(src, inner)  # the identity at one (b, h, q, kv)
-        if not is_elementwise(node) or name in ("type_as",):
+        target = _FUNCTIONAL.get(node.target, node.target)
+        if target in _BINARY and not (len(node.args) == 2 and isinstance(node.args[1], fx.Node) and not node.kwargs):
+            return None  # torch.min(x) / torch.min(x, dim): a reduction, not the elementwise minimum
+        if not (is_elementwise(node) or target is not node.target or name in _LIKE) or name in ("type_as",):
             return None
         failed = []
 
@@ -147,7 +204,36 @@ class _Walk:
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), arg)
         if failed:
             return None
-        return self.graph.create_node(node.op, node.target, args, kwargs)
+        return self.graph.create_node(node.op, target, args, kwargs)
+
+    def _lookup(self, node: fx.Node, shape: Tuple[int, ...], roles: Dict[int, int]) -> Optional[fx.Node]:
+        """``embedding(ids, table)`` / ``table[ids]`` with ``ids`` a rule of positions and ``table`` read
+        whole: ``table[ids, h]`` at one (b, h, q, kv). A 2-D table's columns are the value's trailing
+        dim, which must be the head dim (T5's ``values.permute([2, 0, 1])``) or of size 1::
+
+            values = embedding(bucket(kv - q), weight)     # (S, S, H)     -> weight[bucket, h]"""
+        if node.target is operator.getitem:
+            table, ids = node.args
+        else:
+            a = op_vocab_arguments(node, ("input", "weight", "padding_idx", "max_norm"))
+            if a.get("max_norm") is not None:
+                return None  # max_norm renormalises the table's rows in place as it reads them
+            ids, table = a["input"], a["weight"]
+        tv, iv = fake_value(table), fake_value(ids)
+        if not (isinstance(tv, torch.Tensor) and isinstance(iv, torch.Tensor)) or iv.is_floating_point() \
+                or iv.dtype is torch.bool or tv.dim() not in (1, 2):
+            return None
+        inner = {r: d for r, d in roles.items() if d != -1} if tv.dim() == 2 else dict(roles)
+        column = next((r for r, d in roles.items() if d == -1), None) if tv.dim() == 2 else None
+        if tv.dim() == 2 and not (column == ROLES[1] or shape[-1] == 1):
+            return None  # the table's columns would be read along a dim that is not the heads
+        if tv.dim() == 2:
+            inner = {r: d + 1 for r, d in inner.items() if -(d + 1) <= iv.dim()}
+        body_ids, body_table = self.visit(ids, inner), self._table(table)
+        if body_ids is None or body_table is None:
+            return None
+        at = (body_ids, self.index[ROLES[1]] if column == ROLES[1] else 0) if tv.dim() == 2 else body_ids
+        return self.graph.call_function(operator.getitem, (body_table, at))
 
 
 def _view_roles(node: fx.Node, src: Any, roles: Dict[int, int]) -> Optional[Dict[int, int]]:
@@ -164,14 +250,34 @@ def _view_roles(node: fx.Node, src: Any, roles: Dict[int, int]) -> Optional[Dict
     return {r: where[d] for r, d in roles.items() if -d <= len(out) and d in where}
 
 
+def _permute_roles(node: fx.Node, roles: Dict[int, int]) -> Optional[Dict[int, int]]:
+    """``roles`` of a ``permute`` / ``transpose``'s output dims carried to its input's dims."""
+    shape = _shape(node)
+    if shape is None:
+        return None
+    n, name = len(shape), _target(node)
+    rest = node.args[1:]
+    if name == "permute":
+        perm = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else list(rest)
+    elif name in ("transpose", "swapaxes", "swapdims") and len(rest) == 2:
+        perm = list(range(n))
+        i, j = (d % n for d in rest)
+        perm[i], perm[j] = perm[j], perm[i]
+    else:
+        return None
+    if sorted(p % n for p in perm if isinstance(p, int)) != list(range(n)):
+        return None
+    return {r: perm[n + d] % n - n for r, d in roles.items() if -d <= n}
+
+
 def _plain_index(index: Any) -> bool:
     flat = index if isinstance(index, tuple) else (index,)
     return all(i is None or i is Ellipsis or i == slice(None) for i in flat)
 
 
-def _gradient_free_state(node: fx.Node) -> bool:
-    """Whether ``node`` needs no gradient and reads no model input or activation: only constants,
-    sizes and state (buffers, frozen parameters), through pure ops."""
+def _state_only(node: fx.Node) -> bool:
+    """Whether ``node`` reads no model input or activation: only constants, sizes and state (buffers,
+    parameters: learned ones too, whose gradient comes back from the ring op), through pure ops."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -179,8 +285,6 @@ def _gradient_free_state(node: fx.Node) -> bool:
             continue
         seen.add(n)
         val = fake_value(n)
-        if isinstance(val, torch.Tensor) and val.requires_grad:
-            return False
         if n.op == "placeholder":
             if isinstance(val, torch.Tensor) and not is_parameter_like(n, _example(n)):
                 return False
@@ -212,7 +316,8 @@ def lift_term(term: fx.Node, seq_len: int) -> Optional[Rule]:
         return None  # a boolean O(S) leaf (a key row) is cheaper as the explicit row it is
     # an additive term that is itself one O(S) leaf (MPT's per-key bias) is a rule: the identity
     walk.graph.output(out)
-    return Rule(term, fx.GraphModule(torch.nn.Module(), walk.graph), tuple(walk.leaves), tuple(walk.shapes))
+    return Rule(term, fx.GraphModule(torch.nn.Module(), walk.graph), tuple(walk.leaves), tuple(walk.shapes),
+                tuple(walk.whole))
 
 
 # -- the mods the ring op evaluates ------------------------------------------------------------
@@ -222,25 +327,28 @@ def _at(t: torch.Tensor, b: Any, h: Any, q: Any, kv: Any) -> torch.Tensor:
     return t[idx]
 
 
-def _bodies(rules: Tuple[Tuple[fx.GraphModule, int], ...], b, h, q, kv, leaves) -> List[torch.Tensor]:
+def _bodies(rules: Bodies, b, h, q, kv, leaves) -> List[torch.Tensor]:
+    """Each rule's body at (b, h, q, kv): its leaves read there, its tables (``whole``) as they are."""
     out, i = [], 0
-    for body, n in rules:
-        out.append(body.forward(*(_at(t, b, h, q, kv) for t in leaves[i:i + n])))
+    for body, whole in rules:
+        n = len(whole)
+        read = (t if w else _at(t, b, h, q, kv) for t, w in zip(leaves[i:i + n], whole))
+        out.append(body.forward(b, h, q, kv, *read))
         i += n
     return out
 
 
-def rules_mask(rules: Tuple[Tuple[fx.GraphModule, int], ...], b, h, q, kv, *leaves) -> torch.Tensor:
+def rules_mask(rules: Bodies, b, h, q, kv, *leaves) -> torch.Tensor:
     """mask_mod: the AND of the lifted boolean terms."""
     return functools.reduce(operator.and_, (v.to(torch.bool) for v in _bodies(rules, b, h, q, kv, leaves)))
 
 
-def rules_score(rules: Tuple[Tuple[fx.GraphModule, int], ...], score, b, h, q, kv, *leaves) -> torch.Tensor:
+def rules_score(rules: Bodies, score, b, h, q, kv, *leaves) -> torch.Tensor:
     """score_mod: the score plus every lifted additive term (as SDPA adds attn_mask to the scores)."""
     return functools.reduce(operator.add, (v.to(score.dtype) for v in _bodies(rules, b, h, q, kv, leaves)), score)
 
 
-def function_then_rules(score_fn: Any, rules: Tuple[Tuple[fx.GraphModule, int], ...], score, b, h, q, kv,
+def function_then_rules(score_fn: Any, rules: Bodies, score, b, h, q, kv,
                         *leaves) -> torch.Tensor:
     """score_mod: ``score_fn`` of the score (soft-capping, :mod:`..score_fn`), then the lifted terms."""
     return rules_score(rules, score_fn(score), b, h, q, kv, *leaves)
@@ -249,7 +357,7 @@ def function_then_rules(score_fn: Any, rules: Tuple[Tuple[fx.GraphModule, int], 
 def as_mod(kind: str, rules: Tuple[Rule, ...], sdpa: fx.Node, score_fn: Any = None) -> Any:
     """The mask_mod (``kind`` "mask") or score_mod ("score") of ``rules``, named for the record; a
     score_mod applies ``score_fn`` to the score first, when given."""
-    bodies = tuple((r.body, len(r.leaves)) for r in rules)
+    bodies = tuple((r.body, tuple(r.read_whole(i) for i in range(len(r.leaves)))) for r in rules)
     if kind == "score" and score_fn is not None:
         fn = functools.partial(function_then_rules, score_fn, bodies)
     else:
@@ -329,15 +437,19 @@ def ring_mods(em: Any, rules: Tuple[Rule, ...], scores: Tuple[Rule, ...], sdpa: 
     out: Dict[str, Any] = {"mods": key}
     for name, group in (("mask_buffers", rules), ("score_buffers", scores)):
         if group:
-            out[name] = [_leaf_value(em, leaf, shape) for r in group for leaf, shape in zip(r.leaves, r.shapes)]
+            out[name] = [_leaf_value(em, leaf, shape, r.read_whole(i)) for r in group
+                         for i, (leaf, shape) in enumerate(zip(r.leaves, r.shapes))]
     return out
 
 
-def _leaf_value(em: Any, leaf: fx.Node, shape: Tuple[int, int, int, int]) -> fx.Node:
+def _leaf_value(em: Any, leaf: fx.Node, shape: Tuple[int, ...], table: bool) -> fx.Node:
+    """A leaf whole on every rank, reshaped to (B|1, H|1, S|1, S|1); a table as it is. A leaf that
+    requires grad (learned slopes, T5's table) gets its gradient from the ring op's backward: a share
+    per rank, summed like any parameter's (the Global gradient contract)."""
     from ...propagate.placements import Sharded
 
     key = ("lifted_leaf", leaf, shape)
     if key not in em._memo:  # layers sharing one mask share its leaves
         whole = em.to_global(leaf) if isinstance(em.layout(leaf), Sharded) else em.env[leaf]
-        em._memo[key] = em.method("reshape", whole, shape)
+        em._memo[key] = whole if table else em.method("reshape", whole, shape)
     return em._memo[key]

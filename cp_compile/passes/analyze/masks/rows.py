@@ -37,24 +37,29 @@ from ...propagate.placements import Sharded
 _warned = False  # the O(c·S) warning is given once per process
 
 
-def explicit_mask(em: Any, terms: Sequence[fx.Node], sdpa: fx.Node) -> fx.Node:
-    """The AND of ``terms`` (old nodes) as the ring op's ``attn_mask``: additive float32
-    (B|1, H|1, c|1, S_pad), this rank's rows (1: the same for every row), padding keys
-    masked. Memoised per terms, so the layers sharing one mask share its rows."""
-    key = ("explicit_mask", tuple(terms))
+def explicit_mask(em: Any, terms: Sequence[fx.Node], sdpa: fx.Node, adds: Sequence[fx.Node] = ()) -> fx.Node:
+    """The AND of ``terms`` (old nodes, boolean), plus the float ``adds``, as the ring op's ``attn_mask``:
+    additive float32 (B|1, H|1, c|1, S_pad), this rank's rows (1: the same for every row), padding
+    keys masked. Memoised per terms, so the layers sharing one mask share its rows."""
+    key = ("explicit_mask", tuple(terms), tuple(adds))
     if key in em._memo:
         return em._memo[key]
     memo: Dict[fx.Node, Any] = {}
-    rows = reduce(lambda a, b: em.call(operator.and_, a, b), [_rows(em, t, memo) for t in terms])
-    shape = torch.broadcast_shapes(*(global_shape(t) for t in terms))  # global, at most 4-D
+    parts = []
+    if terms:
+        parts.append(em.call(additive_mask, reduce(lambda a, b: em.call(operator.and_, a, b),
+                                                   [_rows(em, t, memo) for t in terms])))
+    parts += [em.call(additive_mask, _rows(em, a, memo)) for a in adds]  # finfo.min -> -inf, float32
+    rows = reduce(lambda a, b: em.call(operator.add, a, b), parts)
+    shape = torch.broadcast_shapes(*(global_shape(t) for t in (*terms, *adds)))  # global, at most 4-D
     if len(shape) < 4:
         rows = em.call(operator.getitem, rows, (None,) * (4 - len(shape)) + (Ellipsis,))
-    rows = em.call(additive_mask, rows)  # (B|1, H|1, c|1, S|1) float32, -inf where masked
+    # (B|1, H|1, c|1, S|1) float32, -inf where masked
     if shape[-1] != 1 and em.ctx.padded:  # padding keys: never attended (the ring skips them too)
         pad = em.index.op(operator.sub, em.index.S_pad(), em.index.S())
         rows = em.call(F.pad, rows, (0, pad), value=float("-inf"))
     em._memo[key] = em.method("expand", rows, -1, -1, -1, em.index.S_pad())  # a query-only mask: every key
-    if any(_varies(em, t) for t in terms):
+    if any(_varies(em, t) for t in (*terms, *adds)):
         _warn_rows(em, sdpa, shape)
     return em._memo[key]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.fx as fx
 
 from ...context import fake_value, log, source_line
 from .buffers import real_values
@@ -34,17 +35,19 @@ def agrees_with_term(rule: Any) -> bool:
     val = fake_value(rule.term)
     if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
         return True
-    width = max(s[0] for s in rule.shapes) * max(s[1] for s in rule.shapes)
+    read = [s for i, s in enumerate(rule.shapes) if not rule.read_whole(i)]
+    width = max((s[0] for s in read), default=1) * max((s[1] for s in read), default=1)
     if val.numel() * width > CHECK_ELEMENTS:
         log.debug("cp_compile: lifted mask term %s not checked: %d values", rule.term.name, val.numel() * width)
         return True
-    values = real_values([rule.term, *rule.leaves])
+    values = real_values([rule.term, *rule.leaves], learned=True)  # a learned table: its values now
     if values is None:
         log.debug("cp_compile: lifted mask term %s not checked: its values are not computable now", rule.term.name)
         return True
     term, *leaves = values
     term = term.reshape((1,) * max(0, 4 - term.dim()) + tuple(term.shape))  # (.., S|1, S|1) as SDPA broadcasts it
-    got = _rule_grid(rule, [x.reshape(s) for x, s in zip(leaves, rule.shapes)], term)
+    got = _rule_grid(rule, [x.detach().reshape(s) for x, s in zip(leaves, rule.shapes)], term)
+    term = term.detach()
     why = _difference(got, term)
     if why is not None:
         log.warning("cp_compile: the rule of positions lifted from the attention mask term %s at %s does not "
@@ -59,7 +62,7 @@ def _rule_grid(rule: Any, leaves: list, term: torch.Tensor) -> torch.Tensor:
     from ....ring.mods import Mods
     from .lift import as_mod
 
-    b, h = max(s[0] for s in rule.shapes), max(s[1] for s in rule.shapes)
+    b, h = term.shape[0], term.shape[1]  # a table lookup reads heads no leaf has: the term's own
     q, kv = (torch.arange(n, device=term.device) for n in term.shape[-2:])
     if rule.additive:
         mods = Mods(score_mod=as_mod("score", (rule,), rule.term), score_buffers=tuple(leaves))
@@ -93,4 +96,23 @@ def _max_abs(x: torch.Tensor) -> float:
     return float(x.abs().max()) if x.numel() else 0.0
 
 
-__all__ = ["agrees_with_term"]
+def learned_bias_lifts(bias: fx.Node) -> bool:
+    """Whether every additive part of ``bias`` (a float bias added to hand-written scores) that requires
+    grad is a rule of positions over whole learned tables that computes it (lifted and verified), so the
+    ring op can apply it as a score rule and return its tables' gradient. A bias computed from
+    activations is no such rule: the hand-written attention stays as written."""
+    from .lift import _requires_grad, _shape, additive_parts, lift_term
+
+    shape = _shape(bias)
+    parts = additive_parts(bias, lambda target, args, like: None) if shape is not None and len(shape) >= 2 else None
+    if parts is None:
+        return False
+    learned = [a for a in parts[1] if _requires_grad(a)]
+    for a in learned:
+        rule = lift_term(a, shape[-1]) if isinstance(a, fx.Node) else None
+        if rule is None or not rule.learned or not agrees_with_term(rule):
+            return False
+    return bool(learned)
+
+
+__all__ = ["agrees_with_term", "learned_bias_lifts"]

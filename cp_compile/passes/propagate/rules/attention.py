@@ -82,8 +82,8 @@ def sdpa(em, node: fx.Node):
     kind = em.ctx.masks.get(node)
     causal = kind.causal if kind is not None else bool(a["is_causal"])
     masks = {"window": kind.window} if kind is not None and kind.window > 0 else {}
-    if kind is not None and kind.explicit:
-        masks["attn_mask"] = explicit_mask(em, kind.explicit, node)
+    if kind is not None and (kind.explicit or kind.explicit_adds):
+        masks["attn_mask"] = explicit_mask(em, kind.explicit, node, kind.explicit_adds)
     if kind is not None and kind.doc_ids is not None:
         masks["doc_ids"] = doc_ids_value(em, kind.doc_ids, node)  # (B|1, S) whole, on every rank
     score_fn = node.kwargs.get("score_fn")  # f(scores) before the mask terms (passes/score_fn.py)

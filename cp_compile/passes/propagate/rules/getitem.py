@@ -14,6 +14,8 @@
                                                  rows outside positions [1, 5) invalid (no copy, no gather)
     x.narrow(1, 1, 4)                         -> the same
     x[:, ::2], x[:, 1:] under a symbolic S  -> gather, then index (fallback, warned)
+    x (B, S/N, D) Sharded(1)  x[:, perm], perm (S,) -> gather, then index: a read of S rows or more
+                              holds the whole sequence on every rank anyway (fallback, warned)
 
 A window (placements.py) is read only by the rules marked ``@window_aware`` (pointwise, per-token,
 views keeping the dim, sum/mean, losses); the walk gathers it for any other op (rules/table.py).
@@ -197,7 +199,7 @@ def _read_at(em: Any, node: fx.Node, s: Sharded, index: Optional[tuple]):
     """``x[arange(B), idx]`` / ``x[:, idx]``: the sequence dim of a Sharded x indexed by a Global integer
     tensor of global positions (negative ones wrapped by S): :func:`_owner_reads`. Else None."""
     x = node.args[0]
-    if index is None or not _plain_seq(em, x, s) or fake_value(node).dtype is torch.bool:
+    if index is None or not _plain_seq(em, x, s) or fake_value(node).dtype is torch.bool or not _few_rows(em, node):
         return None
     tensors = [i for i in index if isinstance(i, fx.Node)]
     if any(em.layout(i) not in (None, GLOBAL) or fake_value(i).dtype in (torch.bool, torch.uint8) for i in tensors):
@@ -248,6 +250,14 @@ def _read_masked(em: Any, node: fx.Node, s: Sharded, index: Optional[tuple]):
     picks[s.dim - at] = _owned_rows(em, picks[s.dim - at], wrap=False)
     new_index = tuple(em.value(index[:at])) + tuple(picks) + tuple(em.value(index[at + 1:]))
     return _owner_reads(em, x, s.dim, lambda ext: em.call(operator.getitem, ext, new_index)), GLOBAL
+
+
+def _few_rows(em: Any, node: fx.Node) -> bool:
+    """Whether the read's result is smaller than the sequence: no dim of S or more entries. A read of
+    S positions or more (``x[:, perm]``, a reordering of every token) would hold the whole sequence on
+    every rank, and costs more as a sum than as a gather: it is left to the fallback, which warns."""
+    shape = fake_value(node).shape
+    return not any(isinstance(n, int) and n >= em.ctx.seq_len for n in shape)
 
 
 def _plain_seq(em: Any, x: fx.Node, s: Optional[Sharded]) -> bool:
@@ -301,7 +311,7 @@ def read_along(em: Any, node: fx.Node):
     idx, dim = a.get("index", a.get("indices")), a.get("dim")
     s = em.layout(x)
     if not (_plain_seq(em, x, s) and isinstance(dim, int) and dim % len(global_shape(x)) == s.dim
-            and isinstance(idx, fx.Node) and em.layout(idx) in (None, GLOBAL)):
+            and isinstance(idx, fx.Node) and em.layout(idx) in (None, GLOBAL) and _few_rows(em, node)):
         return _unruled(em, node, f"{node.target if isinstance(node.target, str) else node.target.__name__} "
                         "with indices that are not whole positions along the sequence")
     local = _owned_rows(em, em.env[idx], wrap=False)
