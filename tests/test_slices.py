@@ -7,8 +7,9 @@ Each head below runs on the output of a small attention model; on real gloo rank
 that divide and that are padded) the loss, the returned tensors, every parameter gradient and the input's
 gradient match the one-process run on the whole sequence and the record is explain's. The common uses
 (ViT pooling without the prefix tokens, an MAE-style loss against a whole target, shifted logits outside a
-loss) gather nothing and record no fallback; the uses no window-aware rule covers (a neighbour difference
-pairs two different windows; a cumsum or a matmul over a slice) are gathered, recorded, and still exact.
+loss) gather nothing and record no fallback; a neighbour difference ``h[:, 1:] - h[:, :-1]`` (two different
+windows) aligns them by a halo exchange (rules/halo.py); the uses no window-aware rule covers (a cumsum
+or a matmul over a slice) are gathered, recorded, and still exact.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def _logits(m, h, x, ids, tgt, mask):  # shifted logits outside a loss, and the 
     return loss, (p,)
 
 
-def _diff(m, h, x, ids, tgt, mask):  # neighbours: h[:, 1:] pairs position p with p - 1 of h[:, :-1]
+def _diff(m, h, x, ids, tgt, mask):  # neighbours: h[:, 1:] pairs position p with p - 1 of h[:, :-1] (a halo)
     d = h[:, 1:] - h[:, :-1]
-    return (d ** 2).mean(), ()
+    back = h[:, :-1] * h[:, 1:] * _w(1, h.shape[1] - 1, D)  # the other way round: p with p + 1
+    two = h[:, 2:] * h[:, :-2]  # two positions apart
+    return (d ** 2).mean() + back.sum() + two.mean(), ()
 
 
 def _unaware(m, h, x, ids, tgt, mask):  # ops with no window-aware rule: gathered
@@ -73,8 +76,8 @@ def _unaware(m, h, x, ids, tgt, mask):  # ops with no window-aware rule: gathere
 
 
 HEADS = {f.__name__[1:]: f for f in (_vit, _mae, _logits, _diff, _unaware)}
-GATHERED = {"diff": "different windows", "unaware": "window-aware rule"}  # head -> what its fallback says
-OUTPUT_GATHERS = {"vit": 1, "mae": 1, "logits": 1}  # the windowed tensors each head returns: gathered, narrowed
+GATHERED = {"unaware": "window-aware rule"}  # head -> what its fallback says
+OUTPUT_GATHERS = {"vit": 1, "mae": 1, "logits": 1, "diff": 0}  # windowed tensors returned (gathered)
 
 
 class Slices(nn.Module):
@@ -180,6 +183,12 @@ def test_each_unaware_consumer_is_named_and_a_slice_is_gathered_once() -> None:
         assert any(what in f for f in fallbacks), (what, fallbacks)
     gathers = [n for n in r.after.graph.nodes if "gather_seq" in str(n.target)]
     assert len(gathers) == 3, r.after.code  # h[:, 1:] once for its cumsum and its matmul, its transpose, h[:, 3:4]
+
+
+def test_different_windows_without_contiguous_runs_are_gathered() -> None:
+    """Striped: no runs to exchange halos between, so h[:, 1:] - h[:, :-1] is gathered (warned)."""
+    r = _explain("diff", 4, load_balance="striped")
+    assert any("different windows" in f and "striped" in f for f in r.ctx.record.fallbacks), r.ctx.record.fallbacks
 
 
 def test_a_symbolic_length_gathers_the_slice() -> None:

@@ -171,6 +171,23 @@ def _shifted(em: Emitter, node: fx.Node, x: fx.Node, local: fx.Node, dim: int, o
     return _named(node, y), Sharded(dim)
 
 
+def shifted_rows(em: Emitter, x: fx.Node, dim: int, offset: int) -> Any:
+    """The local rows of Sharded ``x`` moved ``offset`` positions along the global order of ``dim``
+    (y[p] = x[p - offset], zeros outside the sequence) as a new local value, or why not (a str).
+    pointwise.py aligns two windows of one value with it (``h[:, 1:] - h[:, :-1]``)."""
+    halo = _halo(em, x, em.env[x], dim, max(offset, 0), max(-offset, 0), False)
+    if isinstance(halo, str):
+        return halo
+    local, runs, run = halo
+    y = em.call(graph_ops.seq_shift, local, dim, offset)  # right inside each run
+    for start, before, after in runs:
+        if offset > 0:
+            em.method("copy_", em.method("narrow", y, dim, start, offset), before)
+        else:
+            em.method("copy_", em.method("narrow", y, dim, start + run + offset, -offset), after)
+    return y
+
+
 def _halo(em: Emitter, x: fx.Node, local: fx.Node, dim: int, left: int, right: int, circular: bool) -> Any:
     """``(local, runs, run)``: the local tokens (padding rows zeroed), and for each of this rank's runs of
     ``run`` tokens along ``dim`` its start and the ``left`` tokens before it and ``right`` after it in

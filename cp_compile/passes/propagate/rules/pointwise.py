@@ -27,19 +27,25 @@ from .registry import register_rule, window_aware
 def pointwise(em: Emitter, node: fx.Node):
     """Elementwise on broadcast operands: the sharded dim aligned; whole operands with size S there indexed.
 
-    Windowed operands (slices of the sequence) must share one window (a, n) (``h[:, 1:] - h[:, :-1]``
-    pairs position p with p - 1: gathered); a whole operand of size n there is read at p - a."""
+    Windowed operands (slices of the sequence) share one window (a, n), or are aligned to the first's by a
+    halo (``h[:, 1:] - h[:, :-1]`` pairs position p with p - 1: :func:`_align_windows`); a whole operand
+    of size n there is read at p - a."""
     out_nd = _ndim(node)
     tensors = [a for a in _flat_args(node) if isinstance(a, fx.Node) and global_shape(a) is not None]
     targets = {(s.dim + out_nd - _ndim(a), s.inner, s.window) for a in tensors if (s := _sharded(em, a))}
+    converted: Dict[fx.Node, Any] = {}
     if len(targets) != 1:
         windows = {t[2] for t in targets}
-        return em.fallback(node, "sharded operands along different dims" if len(windows) == 1 else
-                           f"slices of the sequence with different windows {sorted(windows, key=str)} combined")
+        if len(windows) == 1:
+            return em.fallback(node, "sharded operands along different dims")
+        aligned = _align_windows(em, tensors, targets)
+        if isinstance(aligned, str):
+            return em.fallback(node, f"slices of the sequence with different windows {sorted(windows, key=str)} "
+                               f"combined: {aligned}")
+        converted, targets = aligned
     out_dim, inner, window = targets.pop()
     if window is not None and global_shape(node)[out_dim] != window[1]:  # a window of 1 broadcast to more rows
         return em.fallback(node, "a slice of the sequence broadcast along its own dim")
-    converted: Dict[fx.Node, Any] = {}
     for a in tensors:
         if _sharded(em, a):
             continue
@@ -48,6 +54,30 @@ def pointwise(em: Emitter, node: fx.Node):
             converted[a] = em.to_sharded(a, d, inner, window)  # one entry per position: take this rank's
     args, kwargs = _map(em, node, converted)
     return em.copy(node, args, kwargs), Sharded(out_dim, inner, window)
+
+
+def _align_windows(em: Emitter, tensors: list, targets: set) -> Any:
+    """Windows (a, n) and (a', n) of one sequence (``h[:, 1:] - h[:, :-1]``): each operand with another
+    window than the first's moved by a - a' positions along the global order (rules/halo.py, a halo
+    of |a - a'| rows per run) so that its index i sits at the first window's position i + a.
+    Returns ({operand: moved local value}, {the first's target}) or why not (a str)."""
+    from .halo import shifted_rows
+
+    if len({(t[0], t[1]) for t in targets}) != 1 or any(t[2] is None or t[1] != 1 for t in targets) \
+            or len({t[2][1] for t in targets}) != 1:
+        return "not windows of equal length along one dim"
+    sharded = [a for a in tensors if _sharded(em, a)]
+    first = _sharded(em, sharded[0]).window
+    converted: Dict[fx.Node, Any] = {}
+    for a in sharded:
+        s = _sharded(em, a)
+        if s.window != first and a not in converted:
+            moved = shifted_rows(em, a, s.dim, first[0] - s.window[0])
+            if isinstance(moved, str):
+                return moved
+            converted[a] = moved
+    out = next(t for t in targets if t[2] == first)
+    return converted, {out}
 
 
 @window_aware
