@@ -158,16 +158,9 @@ def _shifted(em: Emitter, node: fx.Node, x: fx.Node, local: fx.Node, dim: int, o
     what = "roll" if circular else "a shift"
     if not _along_length(em, node, x, dim):
         return em.fallback(node, f"{what} along tokens merged with other dims")
-    halo = _halo(em, x, local, dim, max(offset, 0), max(-offset, 0), circular)
-    if isinstance(halo, str):
-        return em.fallback(node, f"{what} along the sequence: {halo}")
-    local, runs, run = halo
-    y = em.call(graph_ops.seq_shift, local, dim, offset)  # right inside each run
-    for start, before, after in runs:
-        if offset > 0:
-            em.method("copy_", em.method("narrow", y, dim, start, offset), before)
-        else:
-            em.method("copy_", em.method("narrow", y, dim, start + run + offset, -offset), after)
+    y = _shift_local(em, x, local, dim, offset, circular)
+    if isinstance(y, str):
+        return em.fallback(node, f"{what} along the sequence: {y}")
     return _named(node, y), Sharded(dim)
 
 
@@ -175,7 +168,13 @@ def shifted_rows(em: Emitter, x: fx.Node, dim: int, offset: int) -> Any:
     """The local rows of Sharded ``x`` moved ``offset`` positions along the global order of ``dim``
     (y[p] = x[p - offset], zeros outside the sequence) as a new local value, or why not (a str).
     pointwise.py aligns two windows of one value with it (``h[:, 1:] - h[:, :-1]``)."""
-    halo = _halo(em, x, em.env[x], dim, max(offset, 0), max(-offset, 0), False)
+    return _shift_local(em, x, em.env[x], dim, offset, False)
+
+
+def _shift_local(em: Emitter, x: fx.Node, local: fx.Node, dim: int, offset: int, circular: bool) -> Any:
+    """y[p] = x[p - offset] on this rank's rows ``local`` of x: shifted as one run, then each run's first
+    ``offset`` (or last ``-offset``) rows written from the neighbouring run's end; or why not (a str)."""
+    halo = _halo(em, x, local, dim, max(offset, 0), max(-offset, 0), circular)
     if isinstance(halo, str):
         return halo
     local, runs, run = halo

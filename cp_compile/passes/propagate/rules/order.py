@@ -137,13 +137,22 @@ def _first_extremum(em: Emitter, x: fx.Node, s: Sharded, largest: bool, keep: bo
 def argext(em: Emitter, node: fx.Node):
     """``argmax`` / ``argmin`` along the sequence: the first extremum's global position, Global (int64)."""
     a = arguments(node, ("input", "dim", "keepdim"))
-    s, d, why = _seq_dim(em, node, a.get("dim"))
-    if s is not None and d != s.dim and not why:
-        return _per_token(em, node, s, d, a.get("keepdim", False))
-    if s is None or why:
-        return _unruled(em, node, f"{_name(node)} {why}")
+    s, other = _along_sequence(em, node, a)
+    if s is None:
+        return other
     _, idx = _first_extremum(em, node.args[0], s, _name(node) == "argmax", a.get("keepdim", False))
     return idx, GLOBAL
+
+
+def _along_sequence(em: Emitter, node: fx.Node, a: dict) -> Tuple[Optional[Sharded], Any]:
+    """(the Sharded layout of the input, None) when ``node`` reduces along its sequence dim; else (None,
+    the node's result): per token along another dim, or gathered with the reason."""
+    s, d, why = _seq_dim(em, node, a.get("dim"))
+    if s is not None and d != s.dim and not why:
+        return None, _per_token(em, node, s, d, a.get("keepdim", False))
+    if s is None or why:
+        return None, _unruled(em, node, f"{_name(node)} {why}")
+    return s, None
 
 
 @register_rule(*EXTREMA)
@@ -156,11 +165,9 @@ def extremum(em: Emitter, node: fx.Node):
 
         return pointwise(em, node)  # torch.max(a, b): elementwise
     a = arguments(node, ("input", "dim", "keepdim"))
-    s, d, why = _seq_dim(em, node, a.get("dim"))
-    if s is not None and d != s.dim and not why:
-        return _per_token(em, node, s, d, a.get("keepdim", False))
-    if s is None or why:
-        return _unruled(em, node, f"{_name(node)} {why}")
+    s, other = _along_sequence(em, node, a)
+    if s is None:
+        return other
     val, idx = _first_extremum(em, node.args[0], s, _name(node) == "max", a.get("keepdim", False))
     return (val, idx), (GLOBAL, GLOBAL)
 
