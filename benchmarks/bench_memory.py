@@ -50,7 +50,9 @@ residual in the output lets you check.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
+import os
 import time
 from typing import Any, Dict, List
 
@@ -140,11 +142,12 @@ def measure_all(args) -> List[Dict[str, Any]]:
     configs += [(name, s, n) for name in ("llama", "llama_ac") for s in args.llama_seq_lens for n in args.worlds]
     configs += [("alibi", s, n) for s in args.alibi_seq_lens for n in args.worlds if n in (1, 4)]
     configs += [("t5", s, n) for s in args.t5_seq_lens for n in args.worlds if n in (1, 4)]
+    configs = [c for c in configs if c[0] in args.models]
     rows = []
     for i, (model_name, s, n) in enumerate(configs, 1):
         common.log(f"[{i}/{len(configs)}] {model_name} S={s} N={n}")
         res = common.try_run_ranks(rank_step, n, model_name, s, args.inner)
-        row: Dict[str, Any] = {"model": model_name, "seq_len": s, "world": n}
+        row: Dict[str, Any] = {"model": model_name, "seq_len": s, "world": n, "command": common.command()}
         if isinstance(res, dict):
             row["error"] = res["error"]
         else:
@@ -153,8 +156,24 @@ def measure_all(args) -> List[Dict[str, Any]]:
                        base_rss_mib=max(r["base_rss_mib"] for r in res),
                        seconds=max(r["seconds"] for r in res), loss=res[0]["loss"])
         rows.append(row)
-    add_ratios(rows)
     return rows
+
+
+def merge_kept(rows: List[Dict[str, Any]], path: str) -> None:
+    """``--merge``: the rows of the record at ``path`` that this run did not measure (same model, S, N)
+    are kept beside this run's, each with the command and date that measured it."""
+    import json
+
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    done = {(r["model"], r["seq_len"], r["world"]) for r in rows}
+    kept = [r for r in old["rows"] if (r["model"], r["seq_len"], r["world"]) not in done]
+    for r in kept:  # rows of a record written before rows carried their command: the record's
+        r.setdefault("command", old["command"])
+        r.setdefault("date", old["machine"].get("date", "?"))
+    rows[:0] = kept
 
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
@@ -209,9 +228,26 @@ def main(argv=None) -> None:
     p.add_argument("--worlds", type=common.int_list, default=[1, 2, 4], help="CP sizes (default 1,2,4)")
     p.add_argument("--inner", default=INNER, choices=("aot_eager", "inductor"), help="inner compiler")
     p.add_argument("--cap-mib", type=float, default=2048.0, help="per-process RSS cap for the longest-S estimate")
+    p.add_argument("--models", type=lambda t: t.split(","), default=list(MODELS),
+                   help=f"models to run (default all: {','.join(MODELS)})")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of results/memory.json this run does not measure, each with the command "
+                        "and date that measured it; e.g. --models alibi,t5 --merge re-measures those rows only")
     args = p.parse_args(argv)
     started = time.perf_counter()
     rows = measure_all(args)
+    for r in rows:
+        r["date"] = common.machine()["date"]
+    with open(os.path.join(common.RESULTS, ".memory.lock"), "w") as lock:  # merging runs: one at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if args.merge:
+            merge_kept(rows, os.path.join(common.RESULTS, "memory.json"))
+        _finish(rows, args, started)
+
+
+def _finish(rows: List[Dict[str, Any]], args: Any, started: float) -> None:
+    """Ratios, the log lines, the longest-S fit and the record."""
+    add_ratios(rows)
     for r in rows:
         if "error" in r:
             common.log(f"{r['model']:6s} S={r['seq_len']:6d} N={r['world']}: FAILED {r['error']}")

@@ -41,6 +41,13 @@ def memory(r: Rec) -> str:
                  "(not run under a hard limit):\n\n")
         text += _table(["model", "N", "longest S", "MiB per 1k tokens", "intercept MiB", "max fit residual MiB",
                         "measured up to S"], cap)
+    other = {}  # rows another run measured (``--merge``): command -> (date, rows)
+    for x in r["rows"]:
+        if x.get("command", r["command"]) != r["command"]:
+            other.setdefault(x["command"], (x.get("date", "?"), []))[1].append(f"{x['model']} S={x['seq_len']} "
+                                                                              f"N={x['world']}")
+    for cmd, (date, names) in other.items():
+        text += f"\n\nMeasured by `{cmd}` ({date}), kept by `--merge`: " + ", ".join(names) + "."
     plot_memory(r)
     return text + f"\n\n![memory vs S]({PLOTS['memory']})"
 

@@ -110,20 +110,26 @@ class ScoresKernel:
         return out.reshape(b, h, lq, d), lse
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                 causal: bool, scale: float, score: ScoreFn,
-                 mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                 causal: bool, scale: float, score: ScoreFn, mask: Optional[Tensor] = None,
+                 dq_acc: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Tensor, Tensor]:
         """(dq, dk, dv) of this block given the global ``out`` and ``lse`` (B, H, Lq), in row tiles:
         dq written per tile, dk and dv accumulated in place over the tiles (no per-tile
-        (B, H_kv, Lk, D) partials: they were the largest transients of the kernel)."""
+        (B, H_kv, Lk, D) partials: they were the largest transients of the kernel). With ``dq_acc``
+        (B, H, Lq, D) in the compute dtype, e.g. a view of the ring's dQ accumulator, each tile's dq
+        is added into it in place instead (no (B, H, Lq, D) block result) and dq is returned as None."""
         ct = _ct(q.dtype)
-        dq = q.new_empty(q.shape, dtype=ct)  # (B, H, Lq, D)
+        dq = q.new_empty(q.shape, dtype=ct) if dq_acc is None else dq_acc  # (B, H, Lq, D)
         dk, dv = k.new_zeros(k.shape, dtype=ct), v.new_zeros(v.shape, dtype=ct)  # (B, H_kv, Lk, D)
         tiles = _tiles(q, k, score)
         for r in tiles:
             kc, fn, m = _tile_args(r, k.shape[2], causal, score, mask) if len(tiles) > 1 else (k.shape[2], score, mask)
-            dq[:, :, r] = self._backward(dout[:, :, r], q[:, :, r], k[:, :, :kc], v[:, :, :kc], out[:, :, r],
-                                         lse[:, :, r], causal, scale, fn, m, r.start, dk[:, :, :kc], dv[:, :, :kc])
-        return dq, dk, dv
+            dq_r = self._backward(dout[:, :, r], q[:, :, r], k[:, :, :kc], v[:, :, :kc], out[:, :, r],
+                                  lse[:, :, r], causal, scale, fn, m, r.start, dk[:, :, :kc], dv[:, :, :kc])
+            if dq_acc is None:
+                dq[:, :, r] = dq_r
+            else:
+                dq[:, :, r] += dq_r
+        return (dq if dq_acc is None else None), dk, dv
 
     def _backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                   scale: float, score: ScoreFn, mask: Optional[Tensor], row0: int, dk: Tensor, dv: Tensor) -> Tensor:

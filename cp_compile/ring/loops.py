@@ -69,12 +69,15 @@ def _forward_call(kernel: BlockKernel, call: Call, q: Tensor, k: Tensor, v: Tens
 
 
 def _backward_call(kernel: BlockKernel, call: Call, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                   lse: Tensor, scale: float):
-    """(dq, dk, dv) of one call, given the global out and lse."""
+                   lse: Tensor, scale: float, dq: Tensor):
+    """(dq, dk, dv) of one call, given the global out and lse. The score kernel adds its dq into the
+    accumulator ``dq`` (B, H, c, D) itself, tile by tile, and gives None for it: no (B, H, Lq, D) block
+    result beside the accumulator at the backward's peak."""
     rows = (call.b, slice(None), call.q)
     args = (dout[rows], q[rows], k[call.b, :, call.k], v[call.b, :, call.k], out[rows], lse[call.b, :, call.q])
     if call.score is not None:
-        return SCORES.backward(*args, causal=call.causal, scale=scale, score=call.score, mask=call.mask)
+        return SCORES.backward(*args, causal=call.causal, scale=scale, score=call.score, mask=call.mask,
+                               dq_acc=dq[rows])
     return kernel.backward(*args, causal=call.causal, scale=scale, **_mask_kw(call.mask))
 
 
@@ -184,8 +187,9 @@ def ring_backward(
         dk_src: Optional[Tensor] = None  # this rank's share of block src's dK (B, H_kv, c, D)
         dv_src: Optional[Tensor] = None
         for call in step_calls(spec, docs, causal, group, src, c, valid_len, pos, q.shape[:2]):
-            dq_s, dk_s, dv_s = _backward_call(kernel, call, dout, q, k_src, v_src, out, lse, scale)
-            dq[call.b, :, call.q] += dq_s
+            dq_s, dk_s, dv_s = _backward_call(kernel, call, dout, q, k_src, v_src, out, lse, scale, dq)
+            if dq_s is not None:
+                dq[call.b, :, call.q] += dq_s
             dk_src = _accumulate(dk_src, call, dk_s, k, acc_dt)
             dv_src = _accumulate(dv_src, call, dv_s, v, acc_dt)
         sink.add(step, src, dk_src, dv_src)
