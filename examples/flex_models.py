@@ -190,19 +190,13 @@ class Alibi(FlexLM):
         return create_block_mask(causal, None, None, S, S, device=tokens.device), alibi
 
 
-class LearnedAlibi(FlexLM):
+class LearnedAlibi(Alibi):
+    """:class:`Alibi` with its slopes an ``nn.Parameter`` (H,): the same mods, read from a learned tensor."""
+
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.slopes = nn.Parameter(2.0 ** (-8.0 * torch.arange(1, self.heads + 1) / self.heads))  # (H,) learned
-
-    def mods(self, tokens, *extra):
-        slopes = self.slopes
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
-
-        S = tokens.shape[1]
-        return create_block_mask(causal, None, None, S, S, device=tokens.device), alibi
+        slopes = self._buffers.pop("slopes")
+        self.slopes = nn.Parameter(slopes)  # (H,) learned
 
 
 def t5_bucket(rel: Tensor, bidirectional: bool = True, buckets: int = 8, max_distance: int = 16) -> Tensor:
