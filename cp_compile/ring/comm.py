@@ -33,6 +33,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import traffic
 from ..group import CPGroup
 from .faults import Hop, collective_hop, comm_error, p2p_hop, wait_hop
 from .plan import source_rank
@@ -54,6 +55,7 @@ def _ring_exchange(sends: Sequence[Tensor], recvs: Sequence[Tensor], group: CPGr
         ops.append(dist.P2POp(dist.isend, s, group=group.pg, tag=tag + i, group_peer=nxt))
         ops.append(dist.P2POp(dist.irecv, r, group=group.pg, tag=tag + i, group_peer=prv))
     kind = "dK/dV" if tag == GRAD_TAG else "K/V"
+    traffic.add(f"ring {kind}", sum(t.numel() * t.element_size() for t in sends))
     try:
         works = dist.batch_isend_irecv(ops)
     except Exception as e:  # noqa: BLE001 - a dead peer can fail the post itself
@@ -76,6 +78,7 @@ def kv_blocks(k: Tensor, v: Tensor, group: CPGroup, rotate: str) -> Iterator[Tup
     if rotate == "allgather":
         kv = torch.stack([k, v])  # (2, B, H_kv, c, D)
         flat = torch.empty((n * 2, *k.shape), dtype=k.dtype, device=k.device)
+        traffic.add("ring K/V", (n - 1) * kv.numel() * kv.element_size())
         work = dist.all_gather_single(flat, kv, group=group.pg, async_op=True)
         _wait(collective_hop(work, group, "K/V", f"all-gathering the K/V blocks of ranks 0..{n - 1}", step=1))
         gathered = flat.view(n, 2, *k.shape)  # (N, 2, B, H_kv, c, D), rank-major
@@ -147,6 +150,7 @@ class GradSink:
         same bits (a reduce-scatter would add in the backend's own order)."""
         n, r = self.group.size, self.group.rank
         recv = torch.empty_like(self._blocks)  # recv[j]: rank j's contribution to this rank's block
+        traffic.add("ring dK/dV", (n - 1) * recv[0].numel() * recv.element_size())
         work = dist.all_to_all_single(recv, self._blocks, group=self.group.pg, async_op=True)
         _wait(collective_hop(work, self.group, "dK/dV", "the all-to-all of the dK/dV contributions", step=n))
         acc = recv[r].clone()  # (2, B, H_kv, c, D)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from .graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
+from ..hardware import HARDWARE, Hardware
 from ..options import LOAD_BALANCES
 
 
@@ -62,30 +63,9 @@ class Model:
         return 2 * self.vocab * h + self.layers * per_layer + h
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU and its link to the next rank of the ring."""
-
-    name: str
-    tflops: float  # dense bf16/fp16 tensor-core TFLOP/s (no sparsity)
-    gbps: float  # GB/s (1e9 B/s) per GPU in ONE direction
-    hbm_gib: float  # HBM in GiB
-
-
 MODELS: Dict[str, Model] = {
     "llama-8b": Model("llama-8b", 32, 4096, 32, 8, 14336, 128256),  # Llama 3.1 8B config.json
     "llama-70b": Model("llama-70b", 80, 8192, 64, 8, 28672, 128256),  # Llama 3.1 70B config.json
-}
-
-HARDWARE: Dict[str, Hardware] = {
-    # A100-SXM4-80GB datasheet: 312 TFLOP/s dense bf16; NVLink 3 600 GB/s total = 300 per direction; 80 GiB HBM2e
-    "a100-nvlink": Hardware("a100-nvlink", 312.0, 300.0, 80.0),
-    # H100-SXM5-80GB datasheet: 989 TFLOP/s dense bf16 (1979: sparse); NVLink 4 900 GB/s = 450 per direction
-    "h100-nvlink": Hardware("h100-nvlink", 989.0, 450.0, 80.0),
-    # H100-SXM5 across nodes: one ConnectX-7 InfiniBand NDR 400 Gb/s per GPU = 50 GB/s per direction
-    "h100-ib": Hardware("h100-ib", 989.0, 50.0, 80.0),
-    # H200-SXM datasheet: 989 TFLOP/s dense bf16, NVLink 4 450 GB/s per direction, 141 GB (1e9 B) = 131.3 GiB
-    "h200-nvlink": Hardware("h200-nvlink", 989.0, 450.0, round(141e9 / 2**30, 1)),
 }
 
 DTYPE_BYTES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}

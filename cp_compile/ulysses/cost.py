@@ -1,0 +1,121 @@
+"""What one attention costs each rank under each strategy: bytes sent, attention FLOPs, time on a
+:class:`cp_compile.hardware.Hardware`. One model, read by ``strategy="auto"``
+(:mod:`cp_compile.passes.finalize.strategy`), by ``cp-compile plan`` and by ``cp-compile explain``,
+and checked against bytes counted on a CPU run (:mod:`cp_compile.traffic`).
+
+Per attention, per rank, per training step (forward + backward), with ``c = S/N`` tokens per rank,
+``e`` bytes per element, ``a = max(4, e)`` the dK/dV accumulator's, on ``N = u·r`` ranks
+(:class:`cp_compile.ulysses.heads.HeadPlan` gives ``Hp``, the padded query heads, and ``m``, the K/V
+heads a rank receives)::
+
+    all-to-all (u > 1)   2 · (u-1)/u · B·c·D·e · (2·Hp + 2·u·m)      q, k, v, out; dout, dq, dk, dv
+    ring (r > 1, p2p)    (r-1) · KV  +  (r-1) · KV  +  r · KV·a/e    K/V forward; K/V and dK/dV backward
+                         KV = 2·B·m·(u·c)·D·e  (m = H_kv when u = 1)
+
+``ring`` is u = 1, ``ulysses`` is r = 1 (the local attention sees the whole sequence), ``2d`` both.
+Time: the all-to-alls are exposed (they precede and follow the attention); each ring step's transfer
+hides behind the step's compute (``max`` of the two, the ring's double buffering); compute is
+``4·f·B·S·c·D·Hp`` FLOPs forward and 2.5x that backward (f = 1/2 causal, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from ..hardware import Hardware
+from .heads import HeadPlan
+
+STRATEGIES = ("ring", "ulysses", "2d")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention as the whole sequence sees it."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int  # S, padded to the layout's multiple
+    elem_bytes: int = 2
+    causal: bool = True
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """One strategy's cost for one attention on each rank, per training step."""
+
+    strategy: str
+    u: int  # Ulysses degree (1: ring)
+    r: int  # ring size (1: Ulysses)
+    a2a_bytes: int  # all-to-all bytes sent, forward + backward
+    ring_kv_bytes: int  # K/V hops, forward + backward
+    ring_acc_bytes: int  # dK/dV accumulator hops (backward)
+    flops: float  # attention FLOPs, forward + backward
+    kv_block_bytes: int  # one K/V block the ring holds (two are alive at once)
+    seconds: float = 0.0  # on the hardware priced (0 when none)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.a2a_bytes + self.ring_kv_bytes + self.ring_acc_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring_kv_bytes + self.ring_acc_bytes
+
+
+def split(strategy: str, world: int, u: Optional[int]) -> Tuple[int, int]:
+    """(u, r) of ``strategy`` on ``world`` ranks; ``u``: the asked Ulysses degree (2d; None: the
+    largest proper divisor not above sqrt-free default, i.e. world // 2 for 2d)."""
+    if strategy == "ring":
+        return 1, world
+    if strategy == "ulysses":
+        return world, 1
+    deg = u if u is not None else max(d for d in range(1, world) if world % d == 0)
+    return deg, world // deg
+
+
+def strategy_cost(shape: AttentionShape, world: int, strategy: str, u: Optional[int] = None,
+                  hw: Optional[Hardware] = None) -> StrategyCost:
+    """The cost of ``shape`` under ``strategy`` on ``world`` ranks (module docstring)."""
+    deg, r = split(strategy, world, u)
+    plan = HeadPlan(shape.heads, shape.kv_heads, deg)
+    c, e, D, B = shape.seq_len // world, shape.elem_bytes, shape.head_dim, shape.batch
+    m = plan.kv_per_rank if deg > 1 else shape.kv_heads
+    hp, _ = plan.sent()
+    a2a = 2 * (deg - 1) * B * c * D * e * (2 * plan.per_rank + 2 * m) if deg > 1 else 0
+    kv = 2 * B * m * (deg * c) * D * e
+    acc = kv * max(4, e) // e
+    ring_kv, ring_acc = (2 * (r - 1) * kv, r * acc) if r > 1 else (0, 0)
+    f = 0.5 if shape.causal else 1.0
+    fwd_flops = 4 * f * B * shape.seq_len * c * D * hp  # this rank's share: c queries' worth of Hp heads
+    cost = StrategyCost(strategy, deg, r, a2a, ring_kv, ring_acc, 3.5 * fwd_flops, kv)
+    if hw is None:
+        return cost
+    return StrategyCost(**{**cost.__dict__, "seconds": _seconds(cost, hw, world, fwd_flops)})
+
+
+def _seconds(cost: StrategyCost, hw: Hardware, world: int, fwd_flops: float) -> float:
+    """Exposed all-to-alls + ring steps (each the max of its compute and its transfer)."""
+    flops_s = hw.tflops * 1e12
+    a2a_s = cost.a2a_bytes / (hw.link_gbps(cost.u) * 1e9) if cost.u > 1 else 0.0
+    if cost.r == 1:
+        return a2a_s + 3.5 * fwd_flops / flops_s
+    bw = hw.stride_gbps(cost.u, cost.r) * 1e9
+    step_fwd, step_bwd = fwd_flops / cost.r / flops_s, 2.5 * fwd_flops / cost.r / flops_s
+    hop_fwd = cost.kv_block_bytes / bw
+    hop_bwd = (cost.ring_kv_bytes / 2 / (cost.r - 1) + cost.ring_acc_bytes / cost.r) / bw
+    ring_s = (step_fwd + step_bwd) + (cost.r - 1) * (max(step_fwd, hop_fwd) + max(step_bwd, hop_bwd))
+    return a2a_s + ring_s
+
+
+def compare(shape: AttentionShape, world: int, u: Optional[int], hw: Hardware) -> List[StrategyCost]:
+    """Every strategy that exists on ``world`` ranks (2d needs 1 < u < world), priced on ``hw``."""
+    out = [strategy_cost(shape, world, "ring", hw=hw)]
+    if world > 1:
+        out.append(strategy_cost(shape, world, "ulysses", hw=hw))
+    deg, _ = split("2d", world, u)
+    if 1 < deg < world:
+        out.append(strategy_cost(shape, world, "2d", deg, hw))
+    return out
