@@ -55,3 +55,22 @@ def default_hardware(device_type: str) -> Hardware:
     """The profile ``strategy="auto"`` prices a run on when none is given: an H100 cluster on CUDA,
     the CPU + gloo profile elsewhere."""
     return HARDWARE["h100-cluster" if device_type == "cuda" else "cpu-gloo"]
+
+
+def parse_hardware(spec: str) -> Hardware:
+    """A name of :data:`HARDWARE`, or ``custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]``; a ValueError
+    naming the forms otherwise."""
+    if spec in HARDWARE:
+        return HARDWARE[spec]
+    form = "custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"
+    try:
+        if not isinstance(spec, str) or not spec.startswith("custom:"):
+            raise ValueError
+        v = [float(x) for x in spec[len("custom:"):].split(",")]
+        if len(v) not in (3, 5) or not all(x > 0 and x < float("inf") for x in v):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"cp_compile: unknown hardware {spec!r}. Fix: one of {', '.join(HARDWARE)} or {form} "
+                         "with positive numbers, e.g. custom:989,450,80,8,50.") from None
+    extra = {"node_gpus": int(v[3]), "inter_gbps": v[4]} if len(v) == 5 else {}
+    return Hardware(spec, v[0], v[1], v[2], **extra)

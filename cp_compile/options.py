@@ -23,6 +23,7 @@ Kernel = Union[Literal["auto", "aten", "triton", "reference"], str]  # or a regi
 Mode = Literal["full", "local"]
 GradSync = Literal["allreduce", "none"]
 Inner = Literal["inductor", "aot_eager", "eager"]
+Strategy = Literal["ring", "ulysses", "2d", "auto"]
 
 
 def literal_choices(tp: Any) -> Tuple[str, ...]:
@@ -33,6 +34,7 @@ def literal_choices(tp: Any) -> Tuple[str, ...]:
 LOAD_BALANCES: Tuple[str, ...] = literal_choices(LoadBalance)
 ROTATES: Tuple[str, ...] = literal_choices(Rotate)
 INNER: Tuple[str, ...] = literal_choices(Inner)
+STRATEGIES: Tuple[str, ...] = literal_choices(Strategy)
 KERNELS: Tuple[str, ...] = literal_choices(typing.get_args(Kernel)[0])  # the built-in ones
 
 
@@ -55,6 +57,24 @@ def check_timeout(value: object) -> Optional[float]:
             "Fix: e.g. timeout=300, or None for the process group's own timeout."
         )
     return float(value)
+
+
+def check_strategy(strategy: str, degree: Any, hardware: Any) -> None:
+    """``ulysses_degree`` and ``hardware`` against ``strategy``, with errors naming the fix (that the
+    degree divides the CP group is checked when the group is known: ``cp_compile.ulysses.groups``)."""
+    if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
+        raise ValueError(f"cp_compile: ulysses_degree must be a positive int or None, got {degree!r}. "
+                         "Fix: e.g. ulysses_degree=8 (the GPUs of one node).")
+    if degree is not None and strategy == "ring":
+        raise ValueError(f"cp_compile: ulysses_degree={degree} with strategy='ring' (the ring has no Ulysses "
+                         "degree). Fix: strategy='2d' or 'auto' to use it, or drop ulysses_degree.")
+    if hardware is not None and strategy != "auto":
+        raise ValueError(f"cp_compile: hardware={hardware!r} prices strategy='auto' only, strategy is "
+                         f"{strategy!r}. Fix: strategy='auto', or drop hardware.")
+    if hardware is not None:
+        from .hardware import parse_hardware
+
+        parse_hardware(hardware)
 
 
 def check_literals(options: Any) -> None:
@@ -118,10 +138,14 @@ class RewriteOptions:
     grad_sync: GradSync = "allreduce"
     strict: bool = False
     timeout: Optional[float] = None  # given to every ring op (the finalize pass ring_timeout)
+    strategy: Strategy = "ring"  # per attention: ring, Ulysses, 2-D, or chosen by cost (passes/finalize/strategy)
+    ulysses_degree: Optional[int] = None
+    hardware: Optional[str] = None  # the profile strategy="auto" prices on (cp_compile.hardware)
 
     def __post_init__(self) -> None:
         check_literals(self)
         check_timeout(self.timeout)
+        check_strategy(self.strategy, self.ulysses_degree, self.hardware)
         if not isinstance(self.kernel, str):
             raise ValueError(f"cp_compile: kernel must be a name (str), got {self.kernel!r}.")
         if self.seq_inputs != "auto" and not isinstance(self.seq_inputs, dict):
@@ -160,6 +184,22 @@ class BackendOptions:
     """The compiler the rewritten graph is handed to."""
     timeout: Optional[float] = None
     """Seconds a ring wait may take before it raises naming the peer (see :class:`RingOptions`)."""
+    strategy: Strategy = "ring"
+    """How each attention is split over the CP group: ``"ring"`` (K/V blocks travel around the ring,
+    overlapped with compute), ``"ulysses"`` (an all-to-all from sequence- to head-sharded q, k, v, attention
+    over the whole sequence for H/N heads, an all-to-all back), ``"2d"`` (Ulysses over ``ulysses_degree``
+    consecutive ranks x the ring over the rest: USP / LoongTrain's hybrid) or ``"auto"`` (per attention,
+    the cheapest of those on ``hardware`` by :mod:`cp_compile.ulysses.cost`; the record and ``cp-compile
+    explain`` say which each attention got and why). Everything else (layout, losses, masks, gradient
+    sync) is the same under every strategy."""
+    ulysses_degree: Optional[int] = None
+    """The Ulysses degree u of ``"2d"`` and ``"auto"``: a divisor of the CP group's size (the GPUs of a
+    node). ``None``: ``"ulysses"`` uses the whole group; ``"2d"`` the largest proper divisor of N;
+    ``"auto"`` weighs ring, Ulysses over N and 2-D with that default."""
+    hardware: Optional[str] = None
+    """The profile ``"auto"`` prices on: a name of :data:`cp_compile.hardware.HARDWARE` or
+    ``"custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"``; ``None``: ``h100-cluster`` on CUDA,
+    ``cpu-gloo`` otherwise."""
     check_batch: bool = True
     """Under ``inputs="full"``: each call of a rewritten graph first checks, with one all-gather of
     a few int64 over the CP group, that every rank was passed the same per-token inputs (a
@@ -171,6 +211,7 @@ class BackendOptions:
     def __post_init__(self) -> None:
         check_literals(self)
         check_timeout(self.timeout)
+        check_strategy(self.strategy, self.ulysses_degree, self.hardware)
         if not isinstance(self.check_batch, bool):
             raise ValueError(f"cp_compile: check_batch must be True or False, got {self.check_batch!r}.")
         if self.load_balance == "documents" and self.inputs == "local":

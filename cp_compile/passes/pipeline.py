@@ -37,6 +37,7 @@ from .context import CPRewriteError, RewriteContext, log
 from .dump import GraphDump
 from .finalize.repropagate import repropagate
 from .finalize.ring_timeout import set_ring_timeout
+from .finalize.strategy import apply_strategy
 from .normalize.block_masks import drop_block_masks
 from .normalize.documents_first import documents_first
 from .normalize.expand_fastpath import expand_fastpath
@@ -143,6 +144,7 @@ PASSES: Tuple[Pass, ...] = (
     Pass("choose_seq_origins", "analyze", choose_seq_origins, has_attention),
     Pass("rewrite_graph", "propagate", _rewrite, has_attention),
     Pass("repropagate", "finalize", _repropagate, has_attention),
+    Pass("apply_strategy", "finalize", apply_strategy, has_attention),
     Pass("set_ring_timeout", "finalize", set_ring_timeout, has_attention),
 )
 

@@ -80,6 +80,10 @@ class RingCall:
     mask: MaskForm = field(default_factory=MaskForm)
     positions: bool = False  # a per-call (N, c) positions table in place of load_balance ("documents" layout)
     heads: Optional[Tuple[int, int]] = None  # (H_q, H_kv) of q and k; None when their values are unknown
+    # -- the strategy the rewrite gave the attention (passes/finalize/strategy.py); no op arguments ------
+    strategy: str = "ring"  # "ring" | "ulysses" | "2d"
+    ulysses: int = 1  # the Ulysses degree u (the ring then runs over N / u ranks)
+    why: str = ""  # why this strategy (the options, or auto's prices)
 
     @property
     def gqa_ratio(self) -> Optional[int]:

@@ -66,4 +66,5 @@ def _make(ranks: list, me: int) -> CPGroup:
 def synthetic_name(kind: str, cp: CPGroup, u: int) -> str:
     """The name a synthetic group's sub-group is shown under (``cp-compile explain``)."""
     i, j = grid_position(cp.rank, u)
-    return f"<{kind} group of CP rank {cp.rank}: {'row' if kind == 'ulysses' else 'column'} {i if kind == 'ulysses' else j}>"
+    where = f"row {i}" if kind == "ulysses" else f"column {j}"
+    return f"<{kind} group of CP rank {cp.rank}: {where}>"
