@@ -191,11 +191,17 @@ def seq_shift(x: Tensor, dim: int, offset: int) -> Tensor:
     return torch.cat([x.narrow(dim, o, n - o), zeros], dim)
 
 
+def ring_outputs(out: Tensor, lse: Tensor) -> tuple:
+    """``(out, lse)``: a ring op's outputs as one value again, after each was put back in sequence shards
+    (an attention given Ulysses, :mod:`cp_compile.passes.finalize.strategy`)."""
+    return out, lse
+
+
 # The functions above that send or receive in the forward (a checkpointed region saves their results
 # rather than recomputing them in the backward: cp_compile.passes.normalize.regions).
 COMMUNICATING = (all_reduce_sum, gather_seq, gather_stack)
 
 # Every function above that the rewrite emits as a graph node (see :mod:`cp_compile.backend.aot_cache`).
 GRAPH_FUNCTIONS = (all_reduce_sum, grad_all_reduce, grad_all_reduce_bucket, grad_scale, gather_seq, gather_stack,
-                   seq_conv1d, seq_shift,
+                   seq_conv1d, seq_shift, ring_outputs,
                    additive_mask)  # the last: an explicit attention mask for the ring op (passes/masks/rows.py)

@@ -12,7 +12,10 @@ the graph), for ``rotate="p2p"``:
 
 * ring attention, per attention node, with K/V block = 2·B·H_kv·c·D·elem_size from
   the local shapes of the ring op's k and v: forward (N-1) K/V hops; backward (N-1)
-  K/V hops plus N hops of the fp32 dK/dV accumulators (2·B·H_kv·c·D·4 bytes);
+  K/V hops plus N hops of the fp32 dK/dV accumulators (2·B·H_kv·c·D·4 bytes); N is the ring's own
+  size, N / u for an attention given Ulysses of degree u;
+* Ulysses all-to-alls (``seq_to_heads`` / ``heads_to_seq``): the (u-1)/u of each head-sharded tensor
+  that leaves the rank, forward (q, k, v, out) and as much backward (dout, dq, dk, dv);
 * gradient all-reduces: the payload, i.e. the parameter bytes (a ring all-reduce
   moves about 2(N-1)/N of it per rank);
 * forward all-reduces (global loss / reductions), whose backward is an all-reduce too;
@@ -36,6 +39,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .. import graph_ops
 from ..passes.ring_call import ring_call
 from ..ring.call_spec import RING_FWD, RingCall, ring_arguments
+from ..ulysses import ops as _ulysses_ops  # noqa: F401 (registers the all-to-all ops read below)
+
+_SEQ_TO_HEADS = torch.ops.cp_compile.seq_to_heads.default
+_HEADS_TO_SEQ = torch.ops.cp_compile.heads_to_seq.default
 
 KINDS = ("ring_attention", "shard", "grad_all_reduce", "grad_all_reduce_bucket", "all_reduce_sum", "gather",
          "grad_scale")
@@ -242,17 +249,15 @@ def collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> 
     """The collectives of one training step of ``after`` on each of ``n_ranks`` ranks (module docstring)."""
     nodes = list(after.graph.nodes)
     rings = [n for n in nodes if node_kind(n) == "ring_attention"]
-    kv_hop, acc_hop = 0, 0
-    for r in rings:
-        held = ring_tensors(r)
-        k, v = held.k or TensorHeld(""), held.v or TensorHeld("")
-        kv_hop += k.nbytes + v.nbytes
-        acc_hop += (k.numel + v.numel) * 4 if k.shape is not None and v.shape is not None else 0
-    hops = n_ranks - 1
     out: List[Collective] = []
-    if rings:
-        out.append(Collective("forward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
-                              f"{len(rings)} attention x {hops} hop(s), {kv_hop // max(len(rings), 1):,} B per hop"))
+    kv, acc = _ring_hops(rings, n_ranks)
+    a2a = _all_to_alls(nodes)
+    if kv[0]:
+        out.append(Collective("forward", "ring K/V send+recv (p2p)", kv[0], kv[1],
+                              f"{len(rings)} attention, {kv[0]} hop(s) in all"))
+    if a2a[0]:
+        out.append(Collective("forward", "all_to_all (Ulysses q, k, v, out)", a2a[0], a2a[1],
+                              "sequence <-> head shards; the (u-1)/u of each tensor that leaves the rank"))
     ar = [n for n in nodes if node_kind(n) == "all_reduce_sum"]
     ar_bytes = sum(nbytes(n.meta.get("val")) for n in ar)
     if ar:
@@ -261,18 +266,47 @@ def collectives(after: fx.GraphModule, n_ranks: int, gathers: List[fx.Node]) -> 
     if gathers:
         out.append(Collective("forward", "all_gather (fallbacks)", len(gathers), g_bytes,
                               "bytes of the gathered full-sequence values"))
-    if rings:
-        out.append(Collective("backward", "ring K/V send+recv (p2p)", len(rings) * hops, kv_hop * hops,
-                              f"{len(rings)} attention x {hops} hop(s)"))
-        per_hop = acc_hop // max(len(rings), 1)
-        out.append(Collective("backward", "ring dK/dV send+recv (fp32)", len(rings) * n_ranks, acc_hop * n_ranks,
-                              f"{len(rings)} attention x {n_ranks} hop(s), {per_hop:,} B per hop"))
+    if kv[0]:
+        out.append(Collective("backward", "ring K/V send+recv (p2p)", kv[0], kv[1], f"{len(rings)} attention"))
+        out.append(Collective("backward", "ring dK/dV send+recv (fp32)", acc[0], acc[1],
+                              f"{len(rings)} attention, {acc[0]} hop(s) in all"))
+    if a2a[0]:
+        out.append(Collective("backward", "all_to_all (Ulysses dout, dq, dk, dv)", a2a[0], a2a[1]))
     out += _grad_collectives(nodes)
     if ar:
         out.append(Collective("backward", "all_reduce (gradient of the global loss)", len(ar), ar_bytes))
     if gathers:
         out.append(Collective("backward", "reduce_scatter (fallbacks)", len(gathers), g_bytes))
     return out
+
+
+def _ring_hops(rings: List[fx.Node], n_ranks: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """((K/V hops, bytes), (dK/dV hops, bytes)) of the ring ops, each over its own ring: N / u ranks
+    for an attention given Ulysses of degree u (:mod:`cp_compile.passes.finalize.strategy`)."""
+    kv, acc = [0, 0], [0, 0]
+    for r in rings:
+        size = n_ranks // max(ring_call(r).ulysses, 1)
+        if size < 2:
+            continue
+        held = ring_tensors(r)
+        k, v = held.k or TensorHeld(""), held.v or TensorHeld("")
+        kv[0], kv[1] = kv[0] + size - 1, kv[1] + (k.nbytes + v.nbytes) * (size - 1)
+        per_acc = (k.numel + v.numel) * 4 if k.shape is not None and v.shape is not None else 0
+        acc[0], acc[1] = acc[0] + size, acc[1] + per_acc * size
+    return (kv[0], kv[1]), (acc[0], acc[1])
+
+
+def _all_to_alls(nodes: List[fx.Node]) -> Tuple[int, int]:
+    """(count, bytes sent) of the forward's Ulysses all-to-alls (the backward sends as many: each op's
+    backward is the other): the head-sharded side's bytes times (u-1)/u."""
+    count, sent = 0, 0
+    for n in nodes:
+        if n.op != "call_function" or n.target not in (_SEQ_TO_HEADS, _HEADS_TO_SEQ):
+            continue
+        u = n.kwargs["u"]
+        side = n.meta.get("val") if n.target is _SEQ_TO_HEADS else _val(n.args[0])
+        count, sent = count + 1, sent + nbytes(side) * (u - 1) // u
+    return count, sent
 
 
 def _grad_collectives(nodes: List[fx.Node]) -> List[Collective]:

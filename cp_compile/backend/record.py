@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -53,6 +53,7 @@ class GraphRecord:
     act_bytes_global: int = 0  # the same for the original graph on one device
     masks: List[str] = field(default_factory=list)  # per ring op: its mask form and per-rank bytes (mask_forms)
     regions: List[str] = field(default_factory=list)  # checkpointed / nested compile regions opened (passes/regions)
+    strategies: List[str] = field(default_factory=list)  # per ring op: its strategy and why (passes/finalize/strategy)
 
     @property
     def sharded_fraction(self) -> float:
@@ -76,6 +77,9 @@ class GraphRecord:
         starts = [f"input {k} (dim {d})" for k, d in self.shard_inputs.items()]
         starts += [f"{k} (dim {d})" for k, d in self.shard_nodes.items()]
         unsplit = f" ({len(self.unsplit)} more not: gathered)" if self.unsplit else ""
+        kinds = [k.split(":")[0] for k in self.strategies]
+        if any(k != "ring" for k in kinds):
+            unsplit += " (by strategy: " + ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) + ")"
         return (f"{self.rings} of {len(self.attention)} attention(s) became ring attention{unsplit}; sharded from "
                 f"{', '.join(starts) or 'the attention inputs only'}; {len(self.fallbacks)} gather fallback(s); "
                 f"{self.sharded_fraction:.0%} of activation bytes held sharded{regions}")
@@ -94,11 +98,20 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
     fwd = torch.ops.cp_compile.ring_attention_fwd.default
     rec.rings = sum(n.target is fwd for n in after.graph.nodes)
     rec.masks = mask_forms(after)
+    rec.strategies = [strategy_text(ring_call(n), ctx.group.size) for n in after.graph.nodes if n.op == "call_function"
+                      and n.target is fwd]
     rec.act_bytes_local = activation_bytes(after, "val")
     if rec.act_bytes_local == 0:  # no per-rank fake values (repropagate could not run): unknown
         rec.act_bytes_local = rec.act_bytes_global
     _warn_if_low(rec)
     return rec
+
+
+def strategy_text(call: Any, world: int) -> str:
+    """``ring``, ``ulysses u=4`` or ``2d u=2 x r=2``, then why (a ring call's strategy fields)."""
+    u = call.ulysses
+    size = {"ring": "ring", "ulysses": f"ulysses u={u}"}.get(call.strategy, f"2d u={u} x r={world // u}")
+    return f"{size}: {call.why}" if call.why else size
 
 
 def _human(n: int) -> str:

@@ -43,6 +43,22 @@ def _layout(load_balance: str) -> str:
     return "documents (table per batch)" if load_balance == "documents" else load_balance
 
 
+def _attention_lines(r: Report) -> List[str]:
+    """Per attention: its source line, what its ring op masks, and the strategy it runs by (the record's
+    words: the runtime's too)."""
+    record = r.ctx.record
+    forms, strategies = (record.masks, record.strategies) if record is not None else ([], [])
+    w = max(len(n) for n, _ in r.attention)
+    lines: List[str] = []
+    for i, ((n, s), site) in enumerate(zip(r.attention, r.rings)):  # what each ring op is given (rewritten graph)
+        lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(site)}"]
+        if i < len(forms) and forms[i]:
+            lines.append(f"  {'':<{w}}  mask form: {forms[i]}")
+        if i < len(strategies):
+            lines.append(f"  {'':<{w}}  strategy: {strategies[i]}")
+    return lines
+
+
 def format_explain(r: Report, target: str = "") -> str:
     """The ``explain`` summary: attention (each with the mask its ring op applies), sharded inputs,
     fallbacks, collectives per step and the activation-memory estimate."""
@@ -58,13 +74,7 @@ def format_explain(r: Report, target: str = "") -> str:
     lines.append(f"  sequence length S = {ctx.seq_len}; {ctx.local_len} positions per rank"
                  + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))
     lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
-    w = max(len(n) for n, _ in r.attention)
-    forms = ctx.record.masks if ctx.record is not None else []  # the record's: the runtime's words too
-    for i, ((n, s), site) in enumerate(zip(r.attention, r.rings)):  # what each ring op is given (rewritten graph)
-        form = forms[i] if i < len(forms) else ""
-        lines += [f"  {n:<{w}}  {short_source(s)}", f"  {'':<{w}}  mask: {describe_mask(site)}"]
-        if form:
-            lines.append(f"  {'':<{w}}  mask form: {form}")
+    lines += _attention_lines(r)
     lines += [f"  WARNING: attention that ring_cp cannot split (run on the gathered sequence), at {u}"
               for u in ctx.unsplit]
     lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or

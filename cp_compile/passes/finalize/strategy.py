@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 
+from ... import graph_ops
 from ...hardware import default_hardware, parse_hardware
 from ...ring.call_spec import RING_FWD, ring_arguments
 from ...ring.mods import lookup, register_mods
@@ -56,8 +57,8 @@ HEADS_TO_SEQ = torch.ops.cp_compile.heads_to_seq.default
 def apply_strategy(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     """Run each ring op by the strategy chosen for it (module docstring); record the choice on it."""
     rings = list(gm.graph.find_nodes(op="call_function", target=RING_FWD))
-    if not rings:
-        return
+    if not rings or ctx.options.strategy == "ring":
+        return  # every ring op stays as emitted (its description's defaults say "ring")
     hw = parse_hardware(ctx.options.hardware) if ctx.options.hardware else default_hardware(_device(rings[0]))
     for node in rings:
         args = ring_arguments(node)
@@ -125,9 +126,7 @@ def _split_heads(gm: fx.GraphModule, node: fx.Node, args: Dict[str, Any], d: Dec
             new.update(_head_mapped_mods(args, head_map))
     _set_args(node, new)
     _refresh(node)
-    for user in list(node.users):
-        if user.target is operator.getitem:
-            _heads_back(gm, _refresh(user), plan, a2a)
+    _outputs_back(gm, node, plan, a2a)
 
 
 def _name(g: Any, kind: str, ctx: RewriteContext, u: int) -> str:
@@ -188,15 +187,32 @@ def _score_on_global_heads(score_mod: Any, score: Any, b: Any, h: Any, q: Any, k
     return score_mod(score, b, buffers[-1][h], q, kv, *buffers[:-1])
 
 
-def _heads_back(gm: fx.GraphModule, item: fx.Node, plan: HeadPlan, a2a: Dict[str, Any]) -> None:
-    """``out`` / ``lse`` of the head-sharded call put back in sequence shards for every user."""
-    users = list(item.users)
-    if not users:
-        return
-    with gm.graph.inserting_after(item):
-        back = _call(gm, HEADS_TO_SEQ, item, n_heads=plan.heads, heads=plan.q_index(), **a2a)
-    for user in users:
-        user.replace_input_with(item, back)
+def _outputs_back(gm: fx.GraphModule, node: fx.Node, plan: HeadPlan, a2a: Dict[str, Any]) -> None:
+    """``out`` / ``lse`` of the head-sharded call put back in sequence shards for every user: a
+    ``getitem``'s users read its value put back; a user of the whole (out, lse) pair (FlexAttention's
+    outputs) reads the pair of both put back."""
+    items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    whole = [u for u in node.users if u.target is not operator.getitem]
+    with gm.graph.inserting_after(node):
+        for i in (0, 1) if whole else ():
+            if i not in items:
+                items[i] = gm.graph.call_function(operator.getitem, (node, i))
+    back: Dict[int, fx.Node] = {}
+    for i, item in sorted(items.items(), key=lambda kv: kv[0]):
+        users = list(item.users)
+        _refresh(item)
+        if not users and not whole:
+            continue
+        with gm.graph.inserting_after(item):
+            back[i] = _call(gm, HEADS_TO_SEQ, item, n_heads=plan.heads, heads=plan.q_index(), **a2a)
+        for user in users:
+            user.replace_input_with(item, back[i])
+    if whole:
+        first = next(n for n in gm.graph.nodes if n in whole)
+        with gm.graph.inserting_before(first):
+            pair = _refresh(gm.graph.call_function(graph_ops.ring_outputs, (back[0], back[1])))
+        for user in whole:
+            user.replace_input_with(node, pair)
 
 
 def _call(gm: fx.GraphModule, target: Any, x: fx.Node, **kwargs: Any) -> fx.Node:
