@@ -71,7 +71,9 @@ def fmt_time(sec: float) -> str:
     """Seconds as the table prints them (3 significant digits, in s, ms or us)."""
     if sec >= 1:
         return f"{sec:.3g} s"
-    return f"{sec * 1e3:.3g} ms" if sec >= 1e-3 else f"{sec * 1e6:.3g} us"
+    if sec >= 1e-3:
+        return f"{sec * 1e3:.3g} ms"
+    return f"{sec * 1e6:.3g} us" if sec >= 1e-6 or sec == 0 else f"{sec * 1e9:.3g} ns"
 
 
 def _reach(hw: Hardware, span: int) -> str:
@@ -119,14 +121,14 @@ def why_cheapest(costs: List[StrategyCost], heads: int, kv_heads: int, hw: Hardw
         reason = f"it ties with {runner.strategy}"
     elif key == "compute":
         padded = HeadPlan(heads, kv_heads, runner.u).padded
-        reason = (f"{runner.strategy} pads {heads} heads to {padded} over u = {runner.u} ranks "
+        reason = (f"{runner.strategy}: pads {heads} heads to {padded} over u = {runner.u} ranks "
                   f"({padded / heads:.2g}x the attention FLOPs)")
     elif key == "a2a":
-        reason = (f"the all-to-all of {runner.strategy} over {runner.u} ranks is exposed: "
+        reason = (f"{runner.strategy}: its all-to-all over {runner.u} ranks is exposed, "
                   f"{fmt_time(runner.a2a_seconds)} at {hw.link_gbps(runner.u):g} GB/s ({_reach(hw, runner.u)}; "
                   f"{best.strategy}: {fmt_time(best.a2a_seconds)})")
     else:
-        reason = (f"the ring of {runner.strategy} over {runner.r} ranks does not hide behind compute at "
+        reason = (f"{runner.strategy}: its ring over {runner.r} ranks does not hide behind compute at "
                   f"{hw.stride_gbps(runner.u, runner.r):g} GB/s ({fmt_time(exposed(runner))} exposed; "
                   f"{best.strategy}: {fmt_time(exposed(best))})")
     others = ", ".join(f"{c.strategy} {fmt_time(c.seconds)}" for c in sorted(costs, key=lambda c: c.seconds)[1:])
