@@ -6,6 +6,9 @@ definitions (MHA; GQA with H_kv < u; H not dividing u), who wins where, every ``
 
 from __future__ import annotations
 
+import pathlib
+import shlex
+
 import pytest
 
 from cp_compile.hardware import HARDWARE
@@ -210,3 +213,13 @@ def test_bad_strategy_arguments_exit_2_naming_the_fix(capsys, flags, fix):
         main(["plan", "--model", "llama-8b", "--seq-len", "65536", "--hardware", "h100-cluster", *flags])
     assert e.value.code == 2
     assert fix in capsys.readouterr().err
+
+
+def test_documented_examples_run(capsys):
+    """Every ``cp-compile plan`` line of the --help examples and of docs/debugging.md runs."""
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "debugging.md").read_text()
+    lines = [ln.strip() for ln in (cli.PLAN_EXAMPLES + doc).splitlines() if ln.strip().startswith("cp-compile plan ")]
+    assert len(lines) >= 6
+    for line in lines:
+        assert main(shlex.split(line)[1:]) == 0, line
+        assert "strategies, per attention layer" in capsys.readouterr().out
