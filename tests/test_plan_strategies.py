@@ -182,6 +182,14 @@ def test_every_strategy_value_runs(capsys, strategy, rows):
         assert table(out)["2d"].split()[1:4] == ["4", "x", "2"]
 
 
+def test_contiguous_causal_notes_the_balanced_assumption(capsys):
+    out = run(capsys, "--model", "llama-8b", "--seq-len", "65536", "--gpus", "8", "--hardware", "h100-nvlink",
+              "--load-balance", "contiguous")
+    assert "note      the strategy table prices a balanced causal layout" in out
+    assert "note      " not in run(capsys, "--model", "llama-8b", "--seq-len", "65536", "--gpus", "8", "--hardware",
+                                   "h100-nvlink", "--load-balance", "contiguous", "--no-causal")
+
+
 def test_ulysses_degree_and_its_default(capsys):
     out = run(capsys, "--model", "llama-8b", "--seq-len", "65536", "--gpus", "16", "--hardware", "h100-nvlink",
               "--strategy", "2d", "--ulysses-degree", "2")

@@ -267,7 +267,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shape = attention_shape(args.model, p.seq_len, args.dtype, args.causal, args.micro_batch)
     costs = strategy_costs(shape, args.gpus, args.hardware, args.strategy, args.ulysses_degree)
     missing = missing_strategies(costs, args.gpus) if args.strategy == "all" else []
-    print("\n".join([format_plan(p, args), *strategy_lines(costs, shape, args.hardware, missing)]))
+    lines = [format_plan(p, args), *strategy_lines(costs, shape, args.hardware, missing)]
+    if args.causal and args.load_balance == "contiguous":
+        lines.append("note      the strategy table prices a balanced causal layout (zig-zag / striped: half the pairs "
+                     "per ring step); a causal contiguous ring waits for its busiest rank (warning above)")
+    print("\n".join(lines))
     return 0
 
 
