@@ -109,7 +109,36 @@ def test_custom_specs():
     assert m.params == MODELS["llama-8b"].params
     assert cli.parse_model("custom:2,256,4,2,512,1000").ffn == 512
     hw = cli.parse_hardware("custom:989,450,80")
-    assert (hw.tflops, hw.gbps, hw.hbm_gib) == (989.0, 450.0, 80.0)
+    assert (hw.tflops, hw.gbps, hw.hbm_gib, hw.node_gpus, hw.inter_gbps) == (989.0, 450.0, 80.0, 8, None)
+    hw = cli.parse_hardware("custom:989,450,80,4,25")
+    assert (hw.tflops, hw.gbps, hw.hbm_gib, hw.node_gpus, hw.inter_gbps) == (989.0, 450.0, 80.0, 4, 25.0)
+
+
+def test_ring_across_nodes_uses_the_inter_node_link(capsys):
+    """h100-cluster: NVLink 450 GB/s inside nodes of 8, 50 GB/s between. The ring-only numbers use the
+    node link for a ring of <= 8 GPUs, the inter-node link beyond (the ring waits for its slowest hop)."""
+    model, hw = MODELS["llama-8b"], HARDWARE["h100-cluster"]
+    inside, across = plan_numbers(model, hw, 131072, 8), plan_numbers(model, hw, 131072, 16)
+    assert inside.fwd.transfer_s == pytest.approx(2 * 16384 * 128 * 8 * 2 / 450e9)
+    assert across.fwd.transfer_s == pytest.approx(2 * 8192 * 128 * 8 * 2 / 50e9)
+    assert across.bwd.transfer_s == pytest.approx(2 * 8192 * 128 * 8 * 6 / 50e9)
+    assert across.fwd.threshold == pytest.approx(0.25 * 2 * 989e12 / 50e9)  # 9890 tokens > c = 8192
+    # a custom profile with the same links gives the same numbers; a flat one (3 fields) the node link
+    custom = cli.parse_hardware("custom:989,450,80,8,50")
+    assert plan_numbers(model, custom, 131072, 16).fwd == across.fwd
+    assert plan_numbers(model, cli.parse_hardware("custom:989,450,80"), 131072, 16).fwd.transfer_s == \
+        pytest.approx(2 * 8192 * 128 * 8 * 2 / 450e9)
+    assert main(["plan", "--model", "llama-8b", "--seq-len", "131072", "--gpus", "16", "--hardware",
+                 "custom:989,450,80,8,50"]) == 0
+    out = capsys.readouterr().out
+    assert "450 GB/s per direction inside nodes of 8, 50 between nodes" in out
+    assert "ring over 16 GPUs at 50 GB/s" in out and "transfer-bound" in out
+
+
+@pytest.mark.parametrize("name", ["h100-cluster", "cpu-gloo", "a100-nvlink", "h200-nvlink"])
+def test_every_profile_plans(capsys, name):
+    assert main(["plan", "--model", "llama-8b", "--seq-len", "65536", "--gpus", "16", "--hardware", name]) == 0
+    assert "cheapest  " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("change, fix", [
@@ -117,9 +146,12 @@ def test_custom_specs():
     ({"--model": "custom:32,4096"}, "expected custom:LAYERS,HIDDEN,HEADS,KV_HEADS"),
     ({"--model": "custom:32,4096,x,8"}, "with positive numbers, e.g. custom:32,4096,32,8"),
     ({"--model": "custom:32,4096,30,8"}, "HIDDEN must divide by HEADS and HEADS by KV_HEADS"),
-    ({"--hardware": "tpu"}, "choose one of a100-nvlink, h100-nvlink, h100-ib, h200-nvlink or custom:TFLOPS"),
-    ({"--hardware": "custom:989,450"}, "expected custom:TFLOPS,GBPS,HBM_GIB"),
+    ({"--hardware": "tpu"}, "choose one of a100-nvlink, h100-nvlink, h100-ib, h200-nvlink, h100-cluster, cpu-gloo "
+                            "or custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"),
+    ({"--hardware": "custom:989,450"}, "expected custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"),
     ({"--hardware": "custom:989,-1,80"}, "expected custom:TFLOPS,GBPS,HBM_GIB"),
+    ({"--hardware": "custom:989,450,80,8"}, "expected custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"),
+    ({"--hardware": "custom:989,450,80,7.5,50"}, "NODE_GPUS must be a whole number of devices, got 7.5"),
     ({"--gpus": "0"}, "argument --gpus: expected a positive integer, got '0'"),
     ({"--seq-len": "128k"}, "argument --seq-len: expected a positive integer, got '128k'"),
     ({"--dtype": "fp8"}, "argument --dtype: invalid choice: 'fp8' (choose from"),

@@ -25,6 +25,14 @@ sends to rank r+1 and receives from rank r-1 at once, so each block uses one dir
   ring = 2 KV blocks (2·2·d·H_kv·b), 2 fp32 dK/dV accumulators (2·2·d·H_kv·4) and the
   fp32 out/dQ (4·h), per token. Max S solves total(S) ≤ HBM (linear in S), rounded down
   to the layout's multiple (2N zig-zag, N otherwise).
+* Links: a hardware profile has ``gbps`` inside a node of ``node_gpus`` devices and
+  ``inter_gbps`` between nodes (cp_compile.hardware). A ring over N consecutive ranks uses
+  B = ``Hardware.link_gbps(N)``: the node link when N ≤ node_gpus (or the profile has no
+  inter-node link), else the inter-node one, since the ring waits for its slowest hop.
+* Strategies (``--strategy``, cp_compile.tools.plan_strategies): ring, Ulysses (all-to-all of
+  heads over the N GPUs) and 2-D (Ulysses over u GPUs of a node x ring over r = N/u), each
+  priced by the one cost model cp_compile.ulysses.cost (bytes sent, time, memory per GPU
+  per attention layer per training step; formulas in its docstring and docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from .graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
+from .plan_strategies import CHOICES, degree_error, missing_strategies, strategy_costs, strategy_lines
 from ..hardware import HARDWARE, Hardware
 from ..options import LOAD_BALANCES
+from ..ulysses.cost import AttentionShape
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ RECOMMEND = {  # causal -> (layout, why)
                    "balance; contiguous is the simplest (no input permutation)"),
 }
 MODEL_FORM = "custom:LAYERS,HIDDEN,HEADS,KV_HEADS[,FFN[,VOCAB]]"
-HW_FORM = "custom:TFLOPS,GBPS,HBM_GIB"
+HW_FORM = "custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"
 
 
 def _custom_fields(spec: str, what: str, names: List[str], form: str, example: str,
@@ -110,11 +120,18 @@ def parse_model(spec: str) -> Model:
 
 
 def parse_hardware(spec: str) -> Hardware:
-    """A name from HARDWARE or ``custom:TFLOPS,GBPS,HBM_GIB`` (GB/s per direction)."""
+    """A name from HARDWARE or ``custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]`` (GB/s per direction;
+    without the last two: nodes of 8 on one flat network)."""
     if spec in HARDWARE:
         return HARDWARE[spec]
-    return Hardware(spec, *_custom_fields(spec, "hardware", list(HARDWARE), HW_FORM, "custom:989,450,80",
-                                          float, range(3, 4)))
+    v = _custom_fields(spec, "hardware", list(HARDWARE), HW_FORM, "custom:989,450,80 or custom:989,450,80,8,50",
+                       float, range(3, 6, 2))
+    if len(v) == 3:
+        return Hardware(spec, *v)
+    if not v[3].is_integer():
+        raise argparse.ArgumentTypeError(f"malformed hardware {spec!r}: NODE_GPUS must be a whole number of "
+                                         f"devices, got {v[3]:g}, e.g. custom:989,450,80,8,50")
+    return Hardware(spec, v[0], v[1], v[2], node_gpus=int(v[3]), inter_gbps=v[4])
 
 
 def positive_int(text: str) -> int:
@@ -165,12 +182,14 @@ class Plan:
 
 
 def ring_step(model: Model, hw: Hardware, c: int, f: float, flops_per_pair: float, bytes_per_elem: float,
-              micro_batch: int = 1) -> RingStep:
-    """One ring step of one layer: flops_per_pair·f·c²·d·H FLOPs, 2·c·d·H_kv·bytes_per_elem bytes."""
+              micro_batch: int = 1, gbps: Optional[float] = None) -> RingStep:
+    """One ring step of one layer: flops_per_pair·f·c²·d·H FLOPs, 2·c·d·H_kv·bytes_per_elem bytes over a
+    link of ``gbps`` (default: the node link, ``hw.gbps``)."""
+    gbps = hw.gbps if gbps is None else gbps
     flops = flops_per_pair * f * c * c * model.head_dim * model.heads * micro_batch
     nbytes = 2 * c * model.head_dim * model.kv_heads * bytes_per_elem * micro_batch
-    return RingStep(flops, nbytes, flops / (hw.tflops * 1e12), nbytes / (hw.gbps * 1e9), overlap_threshold(
-        hw.tflops, hw.gbps, bytes_per_elem, model.heads, model.kv_heads, f, flops_per_pair))
+    return RingStep(flops, nbytes, flops / (hw.tflops * 1e12), nbytes / (gbps * 1e9), overlap_threshold(
+        hw.tflops, gbps, bytes_per_elem, model.heads, model.kv_heads, f, flops_per_pair))
 
 
 def plan_numbers(model: Model, hw: Hardware, seq_len: int, gpus: int, dtype: str = "bf16",
@@ -181,7 +200,8 @@ def plan_numbers(model: Model, hw: Hardware, seq_len: int, gpus: int, dtype: str
     unit = 2 * gpus if load_balance == "zigzag" else gpus
     c = -(-seq_len // unit) * unit // gpus  # S padded to the layout's multiple, as the backend does
     f = 0.5 if causal and load_balance != "contiguous" else 1.0
-    fwd, bwd = (ring_step(model, hw, c, f, k, e, micro_batch) for k, e in ((4.0, b), (10.0, b + 4)))
+    link = hw.link_gbps(gpus)  # the ring's slowest hop: across nodes once it spans more than one
+    fwd, bwd = (ring_step(model, hw, c, f, k, e, micro_batch, link) for k, e in ((4.0, b), (10.0, b + 4)))
     states = model.params * ((16 if optimizer else 2 * b) / (gpus if fsdp else 1))
     act_tok, logit_tok = model.layers * 34 * h * b / 2, model.vocab * (b + 4)
     ring_tok = 2 * (2 * d * Hkv) * b + 2 * (2 * d * Hkv) * 4 + 4 * h  # 2 KV blocks, 2 fp32 dK/dV, out/dQ
@@ -203,8 +223,7 @@ def format_plan(p: Plan, a: argparse.Namespace) -> str:
     lines = [
         f"model     {model.name}: {model.params / 1e9:.2f}B params, {model.layers} layers, hidden {model.hidden}, "
         f"{model.heads} heads / {model.kv_heads} KV heads (head dim {model.head_dim})",
-        f"hardware  {gpus} x {hw.name}: {hw.tflops:g} TFLOP/s dense, {hw.gbps:g} GB/s per direction, "
-        f"{hw.hbm_gib:g} GiB HBM",
+        f"hardware  {gpus} x {hw.name}: {hw.tflops:g} TFLOP/s dense, {_links(hw)}, {hw.hbm_gib:g} GiB HBM",
         f"run       S = {p.seq_len}{padded}, c = S/N = {p.c} tokens per GPU, {a.dtype}, "
         f"{'causal' if causal else 'non-causal'}, {a.load_balance}, micro-batch {a.micro_batch}",
         "memory per GPU",
@@ -213,7 +232,8 @@ def format_plan(p: Plan, a: argparse.Namespace) -> str:
         f"  logits       {g(p.logits_bytes)}  (vocab·(b+4) B per token)",
         f"  ring buffers {g(p.ring_bytes)}  (2 KV blocks + 2 fp32 dK/dV accumulators + fp32 out/dQ)",
         f"  total        {g(p.total_bytes)} of {p.hbm_bytes / GIB:g} GiB: {fits}",
-        f"ring step, per layer (f = {p.work_fraction:g} of the c x c pairs computed per step)",
+        f"ring step, per layer (f = {p.work_fraction:g} of the c x c pairs computed per step; ring over {gpus} GPUs "
+        f"at {hw.link_gbps(gpus):g} GB/s)",
         *(f"  {name:9} compute {st.flops / 1e12:.3g} TFLOP = {_t(st.compute_s)}, transfer {st.bytes / 2**20:.3g} "
           f"MiB = {_t(st.transfer_s)}: {'transfer hidden' if st.compute_s >= st.transfer_s else 'transfer-bound'}"
           for name, st in (("forward", p.fwd), ("backward", p.bwd))),
@@ -228,18 +248,46 @@ def format_plan(p: Plan, a: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _links(hw: Hardware) -> str:
+    if hw.inter_gbps is None:
+        return f"{hw.gbps:g} GB/s per direction"
+    return f"{hw.gbps:g} GB/s per direction inside nodes of {hw.node_gpus}, {hw.inter_gbps:g} between nodes"
+
+
+def attention_shape(model: Model, seq_len: int, dtype: str, causal: bool, micro_batch: int) -> AttentionShape:
+    """One attention layer of ``model`` as cp_compile.ulysses.cost prices it (``seq_len``: S padded)."""
+    return AttentionShape(micro_batch, model.heads, model.kv_heads, model.head_dim, seq_len, DTYPE_BYTES[dtype],
+                          causal)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """``cp-compile plan``: print the plan; 0 on success."""
+    """``cp-compile plan``: print the plan and the strategies' comparison; 0 on success."""
     p = plan_numbers(args.model, args.hardware, args.seq_len, args.gpus, args.dtype, args.load_balance,
                      args.causal, args.micro_batch, args.optimizer, args.fsdp)
-    print(format_plan(p, args))
+    shape = attention_shape(args.model, p.seq_len, args.dtype, args.causal, args.micro_batch)
+    costs = strategy_costs(shape, args.gpus, args.hardware, args.strategy, args.ulysses_degree)
+    missing = missing_strategies(costs, args.gpus) if args.strategy == "all" else []
+    lines = [format_plan(p, args), *strategy_lines(costs, shape, args.hardware, missing)]
+    if args.causal and args.load_balance == "contiguous":
+        lines.append("note      the strategy table prices a balanced causal layout (zig-zag / striped: half the pairs "
+                     "per ring step); a causal contiguous ring waits for its busiest rank (warning above)")
+    print("\n".join(lines))
     return 0
+
+
+def check_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 (argparse) naming the fix when ``--strategy`` / ``--ulysses-degree`` do not fit ``--gpus``."""
+    error = degree_error(args.gpus, args.strategy, args.ulysses_degree, args.hardware)
+    if error:
+        parser.error(error)
 
 
 PLAN_EXAMPLES = """examples:
   cp-compile plan --model llama-8b --seq-len 131072 --gpus 8 --hardware h100-nvlink
   cp-compile plan --model llama-70b --seq-len 1048576 --gpus 64 --hardware h100-ib --fsdp
   cp-compile plan --model custom:32,4096,32,8 --seq-len 65536 --gpus 4 --hardware custom:989,450,80 --no-causal
+  cp-compile plan --model llama-8b --seq-len 131072 --gpus 16 --hardware h100-cluster --strategy 2d --ulysses-degree 4
+  cp-compile plan --model llama-8b --seq-len 524288 --gpus 32 --hardware custom:989,450,80,8,50
 """
 
 
@@ -265,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-optimizer", dest="optimizer", action="store_false",
                       help="drop fp32 master weights and AdamW moments (keep weights + grads: 2·b B/param)")
     plan.add_argument("--fsdp", action="store_true", help="shard model states over the N GPUs (FSDP/ZeRO-3)")
+    plan.add_argument("--strategy", choices=CHOICES, default="all",
+                      help="the CP strategies to compare: ring, ulysses (all-to-all of heads over the N GPUs), 2d "
+                           "(Ulysses over u GPUs x ring over N/u), or all (default)")
+    plan.add_argument("--ulysses-degree", type=positive_int, default=None, metavar="U",
+                      help="u of the 2d strategy, a divisor of N with 1 < u < N (default: the GPUs of a node when "
+                           "that divides N and is < N, else N's largest proper divisor)")
     add_dump_parser(sub)
     add_explain_parser(sub)
     return parser
@@ -275,7 +329,10 @@ COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"plan": cmd_plan, "d
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``cp-compile``; returns the exit code (argparse exits 2 on bad arguments)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        check_plan(parser, args)
     return COMMANDS[args.command](args)
 
 

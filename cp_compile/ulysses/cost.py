@@ -13,9 +13,14 @@ heads a rank receives)::
                          KV = 2·B·m·(u·c)·D·e  (m = H_kv when u = 1)
 
 ``ring`` is u = 1, ``ulysses`` is r = 1 (the local attention sees the whole sequence), ``2d`` both.
+Memory per rank for the attention's operands beyond the model's own (``memory_bytes``): Ulysses'
+head-sharded q, k, v, out, ``B·(u·c)·D·e·(2·hq + 2·m)`` (u > 1, ``hq = Hp/u``), plus the ring's 2 K/V
+blocks and 2 dK/dV accumulators (``a`` bytes each), ``2·KV + 2·KV·a/e`` (r > 1).
 Time: the all-to-alls are exposed (they precede and follow the attention); each ring step's transfer
 hides behind the step's compute (``max`` of the two, the ring's double buffering); compute is
-``4·f·B·S·c·D·Hp`` FLOPs forward and 2.5x that backward (f = 1/2 causal, 1 otherwise).
+``4·f·B·S·c·D·Hp`` FLOPs forward and 2.5x that backward (f = 1/2 causal, 1 otherwise). ``seconds``
+splits into ``compute_seconds`` (the FLOPs alone), ``a2a_seconds`` (exposed all-to-alls) and what the
+ring's hops add where they do not hide (``ring_hidden``: every hop hides).
 """
 
 from __future__ import annotations
@@ -54,7 +59,11 @@ class StrategyCost:
     ring_acc_bytes: int  # dK/dV accumulator hops (backward)
     flops: float  # attention FLOPs, forward + backward
     kv_block_bytes: int  # one K/V block the ring holds (two are alive at once)
+    memory_bytes: int = 0  # attention operands per rank beyond the model's (module docstring)
     seconds: float = 0.0  # on the hardware priced (0 when none)
+    compute_seconds: float = 0.0  # the attention FLOPs alone, on the hardware priced
+    a2a_seconds: float = 0.0  # the all-to-alls (exposed)
+    ring_hidden: bool = True  # every ring hop, forward and backward, hides behind its step's compute
 
     @property
     def total_bytes(self) -> int:
@@ -88,26 +97,29 @@ def strategy_cost(shape: AttentionShape, world: int, strategy: str, u: Optional[
     kv = 2 * B * m * (deg * c) * D * e
     acc = kv * max(4, e) // e
     ring_kv, ring_acc = (2 * (r - 1) * kv, r * acc) if r > 1 else (0, 0)
+    heads_mem = B * (deg * c) * D * e * (2 * plan.per_rank + 2 * m) if deg > 1 else 0  # q, out; k, v
+    memory = heads_mem + (2 * kv + 2 * acc if r > 1 else 0)
     f = 0.5 if shape.causal else 1.0
     fwd_flops = 4 * f * B * shape.seq_len * c * D * hp  # this rank's share: c queries' worth of Hp heads
-    cost = StrategyCost(strategy, deg, r, a2a, ring_kv, ring_acc, 3.5 * fwd_flops, kv)
+    cost = StrategyCost(strategy, deg, r, a2a, ring_kv, ring_acc, 3.5 * fwd_flops, kv, memory)
     if hw is None:
         return cost
-    return StrategyCost(**{**cost.__dict__, "seconds": _seconds(cost, hw, world, fwd_flops)})
+    return StrategyCost(**{**cost.__dict__, **_seconds(cost, hw, fwd_flops)})
 
 
-def _seconds(cost: StrategyCost, hw: Hardware, world: int, fwd_flops: float) -> float:
-    """Exposed all-to-alls + ring steps (each the max of its compute and its transfer)."""
+def _seconds(cost: StrategyCost, hw: Hardware, fwd_flops: float) -> dict:
+    """Exposed all-to-alls + ring steps (each the max of its compute and its transfer), and its parts."""
     flops_s = hw.tflops * 1e12
     a2a_s = cost.a2a_bytes / (hw.link_gbps(cost.u) * 1e9) if cost.u > 1 else 0.0
+    parts = {"compute_seconds": 3.5 * fwd_flops / flops_s, "a2a_seconds": a2a_s, "ring_hidden": True}
     if cost.r == 1:
-        return a2a_s + 3.5 * fwd_flops / flops_s
+        return {**parts, "seconds": a2a_s + parts["compute_seconds"]}
     bw = hw.stride_gbps(cost.u, cost.r) * 1e9
     step_fwd, step_bwd = fwd_flops / cost.r / flops_s, 2.5 * fwd_flops / cost.r / flops_s
     hop_fwd = cost.kv_block_bytes / bw
     hop_bwd = (cost.ring_kv_bytes / 2 / (cost.r - 1) + cost.ring_acc_bytes / cost.r) / bw
     ring_s = (step_fwd + step_bwd) + (cost.r - 1) * (max(step_fwd, hop_fwd) + max(step_bwd, hop_bwd))
-    return a2a_s + ring_s
+    return {**parts, "seconds": a2a_s + ring_s, "ring_hidden": hop_fwd <= step_fwd and hop_bwd <= step_bwd}
 
 
 def compare(shape: AttentionShape, world: int, u: Optional[int], hw: Hardware) -> List[StrategyCost]:
