@@ -8,6 +8,7 @@ consecutive ranks stays inside a node, and a ring over more ranks than a node ha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -57,20 +58,27 @@ def default_hardware(device_type: str) -> Hardware:
     return HARDWARE["h100-cluster" if device_type == "cuda" else "cpu-gloo"]
 
 
+HW_FORM = "custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"
+
+
 def parse_hardware(spec: str) -> Hardware:
-    """A name of :data:`HARDWARE`, or ``custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]``; a ValueError
-    naming the forms otherwise."""
+    """A name of :data:`HARDWARE`, or :data:`HW_FORM` (GB/s per direction; without the last two: nodes of 8
+    on one flat network); a ValueError naming the choices or the form otherwise."""
     if spec in HARDWARE:
         return HARDWARE[spec]
-    form = "custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"
+    if not isinstance(spec, str) or not spec.startswith("custom:"):
+        raise ValueError(f"unknown hardware {spec!r}; choose one of {', '.join(HARDWARE)} or {HW_FORM}")
     try:
-        if not isinstance(spec, str) or not spec.startswith("custom:"):
-            raise ValueError
         v = [float(x) for x in spec[len("custom:"):].split(",")]
-        if len(v) not in (3, 5) or not all(x > 0 and x < float("inf") for x in v):
-            raise ValueError
+        ok = len(v) in (3, 5) and all(math.isfinite(x) and x > 0 for x in v)
     except ValueError:
-        raise ValueError(f"cp_compile: unknown hardware {spec!r}. Fix: one of {', '.join(HARDWARE)} or {form} "
-                         "with positive numbers, e.g. custom:989,450,80,8,50.") from None
-    extra = {"node_gpus": int(v[3]), "inter_gbps": v[4]} if len(v) == 5 else {}
-    return Hardware(spec, v[0], v[1], v[2], **extra)
+        ok = False
+    if not ok:
+        raise ValueError(f"malformed hardware {spec!r}; expected {HW_FORM} with positive numbers, "
+                         "e.g. custom:989,450,80 or custom:989,450,80,8,50")
+    if len(v) == 3:
+        return Hardware(spec, *v)
+    if not v[3].is_integer():
+        raise ValueError(f"malformed hardware {spec!r}: NODE_GPUS must be a whole number of devices, got {v[3]:g}, "
+                         "e.g. custom:989,450,80,8,50")
+    return Hardware(spec, v[0], v[1], v[2], node_gpus=int(v[3]), inter_gbps=v[4])

@@ -74,7 +74,10 @@ def check_strategy(strategy: str, degree: Any, hardware: Any) -> None:
     if hardware is not None:
         from .hardware import parse_hardware
 
-        parse_hardware(hardware)
+        try:
+            parse_hardware(hardware)
+        except ValueError as e:
+            raise ValueError(f"cp_compile: {e}. Fix: hardware= one of those (strategy='auto' prices on it).") from None
 
 
 def check_literals(options: Any) -> None:

@@ -44,7 +44,8 @@ from typing import Callable, Dict, List, Optional
 
 from .graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
 from .plan_strategies import CHOICES, degree_error, missing_strategies, strategy_costs, strategy_lines
-from ..hardware import HARDWARE, Hardware
+from ..hardware import HARDWARE, HW_FORM, Hardware
+from ..hardware import parse_hardware as _parse_hardware
 from ..options import LOAD_BALANCES
 from ..ulysses.cost import AttentionShape
 
@@ -87,7 +88,6 @@ RECOMMEND = {  # causal -> (layout, why)
                    "balance; contiguous is the simplest (no input permutation)"),
 }
 MODEL_FORM = "custom:LAYERS,HIDDEN,HEADS,KV_HEADS[,FFN[,VOCAB]]"
-HW_FORM = "custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]"
 
 
 def _custom_fields(spec: str, what: str, names: List[str], form: str, example: str,
@@ -120,18 +120,11 @@ def parse_model(spec: str) -> Model:
 
 
 def parse_hardware(spec: str) -> Hardware:
-    """A name from HARDWARE or ``custom:TFLOPS,GBPS,HBM_GIB[,NODE_GPUS,INTER_GBPS]`` (GB/s per direction;
-    without the last two: nodes of 8 on one flat network)."""
-    if spec in HARDWARE:
-        return HARDWARE[spec]
-    v = _custom_fields(spec, "hardware", list(HARDWARE), HW_FORM, "custom:989,450,80 or custom:989,450,80,8,50",
-                       float, range(3, 6, 2))
-    if len(v) == 3:
-        return Hardware(spec, *v)
-    if not v[3].is_integer():
-        raise argparse.ArgumentTypeError(f"malformed hardware {spec!r}: NODE_GPUS must be a whole number of "
-                                         f"devices, got {v[3]:g}, e.g. custom:989,450,80,8,50")
-    return Hardware(spec, v[0], v[1], v[2], node_gpus=int(v[3]), inter_gbps=v[4])
+    """argparse type: :func:`cp_compile.hardware.parse_hardware`, its error as argparse's."""
+    try:
+        return _parse_hardware(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_int(text: str) -> int:
