@@ -1,0 +1,70 @@
+"""Zoo members under the Ulysses and 2-D strategies (``RingCP(strategy=...)``), on real gloo ranks.
+
+Three members whose attention forms differ run under ``strategy="ulysses"`` at N = 2 and
+``strategy="2d", ulysses_degree=2`` at N = 4 (2 x 2), measured on every rank by
+:func:`zoo.measure.measure` (``examples/zoo_sweep.py --strategy ...`` runs all twenty):
+
+* ``llama3_complex_rope``: a GQA decoder (K/V heads shared by query heads: the head plan
+  replicates them only as needed), causal;
+* ``t5_encoder``: a learned bucketed relative bias ``table[bucket(kv - q), h]`` (a score rule reading
+  the head: under Ulysses the local head is mapped to the global one, and the table's gradient is
+  shared over the ranks holding each head), plus a padding mask;
+* ``nn_encoder``: ``nn.TransformerEncoder`` (the fused MHA path, ``(S, B, E)``), bidirectional, with a
+  key padding mask.
+
+Required, as for the ring (tests/test_zoo.py): the loss and every parameter gradient within the
+member's tolerance (1e-5 relative) of the eager one-process run, no gradient on one side only,
+every attention a ring op and no other attention or sequence-squared tensor on a second call,
+exactly the member's declared gather fallbacks, and ``cp-compile explain``'s record = the runtime's;
+and here: every ring op got the strategy asked for (its description's ``strategy`` / ``ulysses``),
+none left on the ring, with its q, k and v all-to-alls in the graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zoo import members
+from zoo.measure import measure
+
+ZOO = members()
+NAMES = ("llama3_complex_rope", "t5_encoder", "nn_encoder")
+
+
+def _measure_all(names, options):
+    """On each rank: :func:`measure` of every member in ``names`` under backend ``options``."""
+    return {name: measure(name, **options) for name in names}
+
+
+def _problems(name: str, r: dict, expected: str) -> list:
+    """What fails for one member on one rank (empty: every check holds)."""
+    member, bad = ZOO[name], []
+    if not (r["loss"] <= member.tol and r["grad"] <= member.tol):
+        bad.append(f"error: loss {r['loss']:.2e}, worst gradient {r['grad']:.2e} ({r['grad_name']})")
+    if r["grads_missing"]:
+        bad.append(f"gradient on one side only: {r['grads_missing']}")
+    bad += r["ring_mismatches"]
+    if r["whole_attention"] or r["quadratic"] or r["recompiled"]:
+        bad.append(f"second call: {r['whole_attention']} {r['quadratic']} recompiled {r['recompiled']}")
+    unexpected = [f for f in r["fallbacks"] if not any(op in f for op in member.mixes_tokens)]
+    if unexpected or any(not any(op in f for f in r["fallbacks"]) for op in member.mixes_tokens):
+        bad.append(f"fallbacks {r['fallbacks']}, declared {member.mixes_tokens}")
+    if not r["strategies"] or set(r["strategies"]) != {expected} or r["not_applied"]:
+        bad.append(f"strategies {r['strategies']} (expected {expected}), left on the ring {r['not_applied']}")
+    if r["a2a"] < 3 * len(r["strategies"]):
+        bad.append(f"{r['a2a']} seq_to_heads for {len(r['strategies'])} attention(s): q, k, v each need one")
+    if len(r["records"]) == 1 and r["records"] != [r["explained"]]:
+        bad.append(f"explain {r['explained']} != runtime {r['records']}")
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,options,expected", [
+    pytest.param(2, {"strategy": "ulysses"}, "ulysses u=2", id="ulysses-N2"),
+    pytest.param(4, {"strategy": "2d", "ulysses_degree": 2}, "2d u=2 x r=2", id="2d-N4"),
+])
+def test_zoo_members_exact_under_the_strategy(ranks, world, options, expected):
+    per_rank = ranks.run(world, _measure_all, NAMES, options, timeout=300)
+    failures = {(name, rank): p for rank, got in enumerate(per_rank) for name, r in got.items()
+                if (p := _problems(name, r, expected))}
+    assert not failures, f"{options} on {world} ranks: {failures}"
