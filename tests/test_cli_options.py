@@ -22,22 +22,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     [], ["--dynamic"], ["--inputs", "local"], ["--inputs", "full"], ["--outputs", "local"], ["--outputs", "full"],
     ["--grad-sync", "none"], ["--grad-sync", "allreduce"], ["--kernel", "reference"], ["--rotate", "allgather"],
     ["--rotate", "p2p"], ["--strict"], ["--seq-inputs", "auto"], ["--seq-inputs", "input_ids=1,labels=1"],
+    ["--strategy", "ring"], ["--strategy", "ulysses"], ["--strategy", "auto"],
+    ["--world-size", "4", "--strategy", "2d", "--ulysses-degree", "2"],
+    ["--strategy", "auto", "--hardware", "h100-ib"], ["--strategy", "auto", "--hardware", "custom:989,450,80,8,50"],
 ], ids=lambda f: " ".join(f) or "defaults")
 def test_every_option_flag_runs_and_reaches_the_rewrite(flags, capsys):
     code, out, err = run_cli(["explain", LLAMA_TARGET, *flags], capsys)
     assert code == 0, err
     model, args, kwargs = load_target(LLAMA_TARGET)
     options = {"inputs": "full", "outputs": "full", "grad_sync": "allreduce", "kernel": "auto", "rotate": "p2p",
-               "seq_inputs": "auto", "strict": False}
+               "seq_inputs": "auto", "strict": False, "strategy": "ring", "ulysses_degree": None, "hardware": None}
     for name, value in zip(flags[::2], flags[1::2] + [None]):
         key = name[2:].replace("-", "_")
         if key in options:
             options[key] = {"input_ids": 1, "labels": 1} if value == "input_ids=1,labels=1" else value
     options["strict"] = "--strict" in flags
-    ctx = explain_model(model, args, example_kwargs=kwargs, dynamic="--dynamic" in flags, **options).ctx
+    if options["ulysses_degree"] is not None:
+        options["ulysses_degree"] = int(options["ulysses_degree"])
+    world = int(flags[flags.index("--world-size") + 1]) if "--world-size" in flags else 2
+    ctx = explain_model(model, args, world, example_kwargs=kwargs, dynamic="--dynamic" in flags, **options).ctx
     for key, value in options.items():
         assert getattr(ctx.options, key) == value, key
     assert f"record: {ctx.record.summary()}" in out  # the record explain printed is this one
+    if options["strategy"] != "ring":  # each attention's strategy, and why, printed as the record has it
+        assert all(f"strategy: {s}" in out for s in ctx.record.strategies) and ctx.record.strategies, out
     if "labels=1" in " ".join(flags):
         assert "labels (dim 1)" in out
 

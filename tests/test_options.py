@@ -62,6 +62,15 @@ VALUES = {
     ("timeout", "seconds"): None,
     ("check_batch", "True"): "test_same_batch.py::test_check_batch_option_through_the_decorator",
     ("check_batch", "False"): "test_same_batch.py::test_check_batch_option_through_the_decorator",
+    ("strategy", "ring"): None,
+    ("strategy", "ulysses"): None,
+    ("strategy", "auto"): None,
+    ("strategy", "2d"): "test_ulysses.py::test_strategy_is_exact",  # needs 4 ranks (2 x 2)
+    ("ulysses_degree", "None"): None,
+    ("ulysses_degree", "int"): "test_ulysses.py::test_strategy_is_exact",
+    ("hardware", "None"): None,
+    ("hardware", "name"): "test_ulysses.py::test_auto_is_exact_and_says_why",
+    ("hardware", "custom"): "test_ulysses.py::test_auto_is_exact_and_says_why",
 }
 
 
@@ -85,7 +94,7 @@ def _value(option: str, label: str):
         return {"input_ids": 1, "labels": 1}  # the Llama's forward(input_ids, labels)
     if option == "timeout":
         return None if label == "None" else 60.0
-    return {"False": False, "True": True}.get(label, label)
+    return {"False": False, "True": True, "None": None}.get(label, label)
 
 
 def _run_with(option: str, label: str):
@@ -102,7 +111,11 @@ def _run_with(option: str, label: str):
     out = torch.compile(cp_model, backend=backend)(ids, labels)
     out.backward()
     assert backend.records == [explained], (option, label, backend.records, explained)  # explain = runtime
-    assert backend.records[0].sharded_fraction >= 0.9, backend.records  # the llama holds nearly all sharded
+    # the llama holds nearly all sharded; under Ulysses the head-sharded copies of q, k, v and out are per-rank
+    # tensors (1/N of the sequence's) the one-device graph has no counterpart of, which the fraction's model
+    # (local = (1 - f)·G + f·G/N) can only read as unsharded: 0.82 at this size (the ring: 0.95)
+    low = 0.8 if option == "strategy" and label != "ring" else 0.9
+    assert backend.records[0].sharded_fraction >= low, backend.records
     if option == "grad_sync" and label == "none":  # each rank holds its share: DDP/FSDP would sum them
         for p in cp_model.parameters():
             dist.all_reduce(p.grad)
@@ -114,6 +127,7 @@ def _explain(model, ids, labels, options: dict):
     process group (the CP group is its world_size); inner, timeout and check_batch do not reach the rewrite."""
     rewrite = {k: dict(v) if isinstance(v, dict) else v  # a copy: seq_inputs={...} is the backend's too
                for k, v in options.items() if k not in ("mesh", "inner", "timeout", "check_batch")}
+    rewrite = {k: v for k, v in rewrite.items() if v is not None}
     return explain_record(model, (ids, labels), world_size=dist.get_world_size(), **rewrite)
 
 

@@ -177,11 +177,13 @@ def test_strategy_is_exact(ranks, case):
         assert all(s.startswith(options["strategy"]) for s in r["strategies"]), (rank, case, r)
 
 
-def test_auto_is_exact_and_says_why(ranks):
+@pytest.mark.slow
+@pytest.mark.parametrize("hardware", ["h100-ib", "custom:0.1,1,24,2,0.5"])
+def test_auto_is_exact_and_says_why(ranks, hardware):
     for rank, r in enumerate(ranks.run(4, _through, "llama", {"seq_len": 32},
-                                       {"strategy": "auto", "hardware": "h100-ib"}, timeout=300)):
+                                       {"strategy": "auto", "hardware": hardware}, timeout=300)):
         assert r["loss"] <= TOL and r["grad"] <= TOL and r["record"], (rank, r)
-        assert all("auto on h100-ib: cheapest" in s for s in r["strategies"]), r["strategies"]
+        assert all(f"auto on {hardware}: cheapest" in s for s in r["strategies"]), r["strategies"]
 
 
 # --------------------------------------------------------------------------- auto's choice, errors, fallbacks

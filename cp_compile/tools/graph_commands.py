@@ -24,7 +24,7 @@ import subprocess
 import sys
 from typing import Any, Dict, Union
 
-from ..options import LOAD_BALANCES, ROTATES, GradSync, Mode, literal_choices
+from ..options import LOAD_BALANCES, ROTATES, STRATEGIES, GradSync, Mode, literal_choices
 from .targets import RETURN_HELP
 
 TARGET_HELP = (f"path/to/file.py:factory, a function returning {RETURN_HELP}; the model is called as "
@@ -120,6 +120,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--kernel", default="auto")
     opt.add_argument("--rotate", choices=ROTATES, default="p2p")
     opt.add_argument("--strict", action="store_true", help="refuse instead of warning where the rewrite would gather")
+    opt.add_argument("--strategy", choices=STRATEGIES, default="ring",
+                     help="how each attention is split: the ring, Ulysses, 2-D or chosen by cost (auto)")
+    opt.add_argument("--ulysses-degree", type=_int_at_least("--ulysses-degree", 1), default=None, metavar="U",
+                     help="the Ulysses degree of 2d / auto (a divisor of --world-size)")
+    opt.add_argument("--hardware", default=None, metavar="HW",
+                     help="the profile auto prices on (a cp-compile plan --hardware value)")
 
 
 def add_dump_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -170,7 +176,8 @@ def _report(args: argparse.Namespace, aot: bool = False):
         return explain_model(model, example_args, args.world_size, args.load_balance, aot=aot,
                        example_kwargs=example_kwargs, rank=args.rank, dynamic=args.dynamic,
                        seq_inputs=args.seq_inputs, inputs=args.inputs, outputs=args.outputs,
-                       grad_sync=args.grad_sync, kernel=args.kernel, rotate=args.rotate, strict=args.strict), 0
+                       grad_sync=args.grad_sync, kernel=args.kernel, rotate=args.rotate, strict=args.strict,
+                       strategy=args.strategy, ulysses_degree=args.ulysses_degree, hardware=args.hardware), 0
     except (CPRewriteError, ExplainError, ValueError) as e:
         print(f"cp-compile {getattr(args, 'cp_graph_command', '')}: {e}", file=sys.stderr)
         return None, 1

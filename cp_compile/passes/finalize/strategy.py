@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 
 from ... import graph_ops
@@ -242,7 +243,7 @@ def _set_args(node: fx.Node, new: Dict[str, Any]) -> None:
 def _refresh(node: fx.Node) -> fx.Node:
     """Set ``node``'s per-rank fake value from its inputs' (the fake mode of any input tensor)."""
     vals: List[Any] = []
-    fx.node.map_arg((node.args, node.kwargs), lambda a: vals.append(_val(a)))
+    fx.node.map_arg((node.args, node.kwargs), lambda a: vals.extend(pytree.tree_leaves(_val(a))))
     fake = next((v for v in vals if hasattr(v, "fake_mode")), None)
     if fake is None:
         return node
