@@ -222,3 +222,63 @@ def test_degrees_the_group_cannot_take_name_the_fix(options, match):
     model, inputs = models.llama_factory(seq_len=32)
     with pytest.raises(Exception, match=match):
         explain_record(model, inputs, world_size=4, **options)
+
+
+# --------------------------------------------------------------------------- activation checkpointing, the decorator
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def _checkpointed_step() -> dict:
+    """On a rank: the Llama with every block checkpointed, under Ulysses through ``@context_parallel``; the
+    all-to-alls of q, k, v run once (saved like the ring's output), never again in the backward."""
+    import cp_compile
+
+    def make():
+        model, inputs = models.llama_factory(seq_len=32)
+        model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
+        return model, inputs
+
+    (ref_model, inputs), (cp_model, _) = make(), make()
+    ref = ref_model(*inputs)
+    ref.backward()
+    import cp_compile.backend.compiler as compiler
+
+    graphs, schedule = [], compiler.schedule_collectives  # AOTAutograd's forward and backward graphs, kept
+    compiler.schedule_collectives = lambda gm: graphs.append(gm) or schedule(gm)
+
+    @cp_compile.context_parallel(shard={"input_ids": 1, "labels": 1}, inner="aot_eager", strategy="ulysses")
+    def step(model, input_ids, labels):
+        loss = model(input_ids, labels)
+        loss.backward()
+        return loss
+
+    try:
+        out = step(cp_model, *inputs)
+    finally:
+        compiler.schedule_collectives = schedule
+    rec = [r for r in step.backend.records if r.attention]
+    ops = (torch.ops.cp_compile.seq_to_heads.default, torch.ops.cp_compile.heads_to_seq.default,
+           torch.ops.aten.rsqrt.default)
+    fw, bw = graphs[:2]
+    return {"loss": rel(out.detach(), ref.detach()), "grad": max(grad_errors(cp_model, ref_model).values()),
+            "regions": sum(len(r.regions) for r in rec), "strategies": [s for r in rec for s in r.strategies],
+            "forward": [sum(n.target is op for n in fw.graph.nodes) for op in ops],
+            "backward": [sum(n.target is op for n in bw.graph.nodes) for op in ops]}
+
+
+@pytest.mark.slow
+def test_checkpointed_blocks_under_the_decorator(ranks):
+    for rank, r in enumerate(ranks.run(2, _checkpointed_step, timeout=300)):
+        assert r["loss"] <= TOL and r["grad"] <= TOL, (rank, r)
+        assert r["regions"] == 2 and all(s.startswith("ulysses u=2") for s in r["strategies"]), (rank, r)
+        # per layer: q, k, v sent and out back in the forward; the backward sends dout and gets dq, dk, dv back,
+        # and recomputes the region (RMSNorm's rsqrt) but not its all-to-alls
+        assert r["forward"][:2] == [6, 2] and r["backward"][:2] == [2, 6] and r["backward"][2] > 0, (rank, r)

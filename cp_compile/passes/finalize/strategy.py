@@ -48,7 +48,7 @@ from ...ulysses.cost import AttentionShape
 from ...ulysses.groups import sub_groups, synthetic_name
 from ...ulysses.heads import HeadPlan
 from ..context import RewriteContext, log, source_line
-from ..node_facts import set_facts
+from ..node_facts import facts, set_facts
 from ..ring_call import ring_call
 
 SEQ_TO_HEADS = torch.ops.cp_compile.seq_to_heads.default
@@ -72,9 +72,21 @@ def apply_strategy(gm: fx.GraphModule, ctx: RewriteContext) -> None:
         else:
             log.info("cp_compile: attention (node %s): %s", node.name, decision.text)
         if decision.u > 1:
+            before = set(gm.graph.nodes)
             _split_heads(gm, node, args, decision, ctx)
+            _same_region(gm, node, before)
     gm.graph.lint()
     gm.recompile()
+
+
+def _same_region(gm: fx.GraphModule, ring: fx.Node, before: set) -> None:
+    """The nodes added around ``ring`` join its checkpointed region, if any: the all-to-alls communicate,
+    so the region's tagging saves them rather than recomputing them in the backward, as the ring op."""
+    region = facts(ring).region
+    if region is not None:
+        for n in gm.graph.nodes:
+            if n not in before:
+                set_facts(n, region=region)
 
 
 def _val(x: Any) -> Any:
