@@ -1,6 +1,6 @@
 """Benchmark 10: the CP strategies of issue 29 side by side: ring, Ulysses, 2-D (Ulysses x ring).
 
-    .venv/bin/python benchmarks/bench_strategies.py                      # defaults (~5 min on 2 cores)
+    .venv/bin/python benchmarks/bench_strategies.py                      # defaults (~10 min on 2 busy cores)
     .venv/bin/python benchmarks/bench_strategies.py --seq-len 1024 --steps 2   # quick
     .venv/bin/python benchmarks/bench_strategies.py --seq-len 16k --world 8 --ulysses-degree 2,4  # larger
 
@@ -25,6 +25,9 @@ configuration, after a compile + warm-up step:
    heads, K/V heads, head_dim, padded S, 4 bytes, causal); counted / model per kind (it should be 1);
 4. **step time**: median over ``--steps`` steps (each started by a barrier; the slowest rank's
    median), no target: N ranks share the 2 cores, so the time mixes compute, gloo and contention.
+   Twice: in each configuration's own run, and once more with the N-rank strategies compiled side by
+   side in one set of ranks and timed in turn, one step each per round (``--steps`` rounds), so that
+   a change in the machine's load between configurations does not read as a strategy's cost.
 """
 
 from __future__ import annotations
@@ -88,6 +91,27 @@ def rank_run(rank: int, world: int, seq_len: int, strategy: str, u: Optional[int
     m["chosen"] = _chosen(backend)
     m["fallbacks"] = len(getattr(backend, "fallbacks", []))
     return m
+
+
+def rank_interleaved(rank: int, world: int, seq_len: int, plans: List[tuple], rounds: int) -> Dict[str, List[float]]:
+    """In one rank: every strategy of ``plans`` ((label, strategy, u)) compiled on its own copy of the model
+    and warmed up, then ``rounds`` rounds of one timed step each, in turn, so that every strategy's
+    steps see the same load on the shared cores."""
+    import torch
+
+    import cp_compile
+
+    runs = []
+    for label, strategy, u in plans:
+        model, args = _model(seq_len)
+        backend = cp_compile.RingCP(inner=INNER, strategy=strategy, **({} if u is None else {"ulysses_degree": u}))
+        runs.append((label, model, torch.compile(model, backend=backend, fullgraph=True), args))
+        _timed_steps(runs[-1][2], model, args, 1, world)  # compile + warm-up
+    times: Dict[str, List[float]] = {label: [] for label, _, _, _ in runs}
+    for _ in range(rounds):
+        for label, model, compiled, args in runs:
+            times[label] += _timed_steps(compiled, model, args, 1, world)
+    return times
 
 
 def _chosen(backend: Any) -> List[str]:
@@ -177,7 +201,24 @@ def measure_all(args) -> List[Dict[str, Any]]:
             if ref is not None:
                 row.update(_errors(ref, res))
         rows.append(row)
+    _interleaved(rows, todo, args)
     return rows
+
+
+def _interleaved(rows: List[Dict[str, Any]], todo: List[tuple], args: Any) -> None:
+    """``step_s_interleaved``: the N-rank strategies timed in turn in one set of ranks (the slowest rank's median)."""
+    plans = [(label, strategy, u) for label, world, strategy, u in todo if world > 1]
+    if args.steps < 1 or not plans:
+        return
+    common.log(f"[interleaved] {', '.join(p[0] for p in plans)} N={args.world}, {args.steps} rounds")
+    res = common.try_run_ranks(rank_interleaved, args.world, args.seq_len, plans, args.steps)
+    for row in rows:
+        if row["world"] == 1:
+            continue
+        if isinstance(res, dict):
+            row["interleaved_error"] = res["error"]
+        else:
+            row["step_s_interleaved"] = max(common.median(r[row["label"]]) for r in res)
 
 
 def _finish(rows: List[Dict[str, Any]]) -> None:
@@ -194,7 +235,8 @@ def _finish(rows: List[Dict[str, Any]]) -> None:
             extra = (f" loss {r.get('loss_rel_err', float('nan')):.1e} grad {r.get('grad_rel_err', float('nan')):.1e} "
                      + " ".join(f"{k} {r['sent_per_layer'][k]:.0f}/{r['model_per_layer'][k]}" for k in KINDS))
         common.log(f"{r['label']:16s}: peak {r['peak_above_mib']:8.1f} MiB (x{r.get('ratio_above', 1):.2f}) "
-                   f"step {r['step_s']:.2f} s{extra}")
+                   f"step {r['step_s']:.2f} s" + (f" (in turn {r['step_s_interleaved']:.2f} s)"
+                                                   if "step_s_interleaved" in r else "") + extra)
 
 
 def main(argv=None) -> None:
@@ -206,7 +248,8 @@ def main(argv=None) -> None:
     p.add_argument("--world", type=int, default=4, help="CP size N (default 4)")
     p.add_argument("--ulysses-degree", type=common.int_list, default=[2],
                    help="2d Ulysses degrees u (1 < u < N, dividing N; default 2: u=2 x r=2)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps after the measured ones (default 3)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed steps after the measured ones, and rounds of the strategies in turn (default 5)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     rows = measure_all(args)

@@ -220,10 +220,11 @@ def strategies(r: Rec) -> str:
             continue
         err = [f"{x[k]:.1e}" if k in x else "" for k in ("loss_rel_err", "grad_rel_err")]
         grid = f"{x['u']}×{x['r']}" if "u" in x else "1"
+        turn = _f(x["step_s_interleaved"], 2) if "step_s_interleaved" in x else x.get("interleaved_error", "")
         rows.append([x["label"], x["world"], grid, *err, _f(x["peak_above_mib"], 1), _f(x.get("ratio_above", 1)),
-                     _f(x["peak_rss_mib"], 1), _f(x["step_s"], 2)])
+                     _f(x["peak_rss_mib"], 1), _f(x["step_s"], 2), turn])
     text = _table(["strategy", "N", "u×r", "loss rel err", "worst grad rel err", "peak above baseline (MiB, max rank)",
-                   "× N=1", "peak RSS (MiB)", "step (s, median, slowest rank)"], rows)
+                   "× N=1", "peak RSS (MiB)", "step (s), own run", "step (s), strategies in turn"], rows)
     sent = []
     for x in r["rows"]:
         for k in kinds if "sent_per_layer" in x else ():
@@ -237,8 +238,11 @@ def strategies(r: Rec) -> str:
              f"H_kv {m['n_kv_heads']}, head_dim {m['dim'] // m['n_heads']}, padded S, fp32, causal):\n\n")
     text += _table(["strategy", "kind", "counted (bytes)", "cost model (bytes)", "counted / model", "every rank same"],
                    sent)
-    return text + ("\n\nStep times: N ranks share the 2 cores (and the machine's other work), so they mix compute, "
-                   "gloo transfers and contention; no target. The one-process row is one thread.")
+    return text + ("\n\nStep times (median over steps, slowest rank): N ranks share the 2 cores (and the machine's "
+                   "other work), so they mix compute, gloo transfers and contention; no target. \"own run\": in the "
+                   "configuration's fresh ranks; \"in turn\": the N-rank strategies compiled side by side in one set "
+                   "of ranks and stepped one after another each round, so all see the same load. The one-process "
+                   "row is one thread.")
 
 
 SECTIONS = [
