@@ -187,10 +187,26 @@ def check_doc_balance(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]
     return [("9. balance, documents", "document-aware busiest / idlest ≤ 1.05 (pairs)", meas, worst <= 1.05, "")]
 
 
+def check_strategies(r: Rec) -> List[Tuple[str, str, str, Optional[bool], str]]:
+    out = []
+    for x in [x for x in r["rows"] if x["world"] > 1]:
+        if "error" in x:
+            out.append((f"10. {x['label']}", "runs", x["error"], False, ""))
+            continue
+        worst = max(x.get("loss_rel_err", float("inf")), x.get("grad_rel_err", float("inf")))
+        out.append((f"10. {x['label']} N={x['world']} exact", "loss and every grad ≤ 1e-5 rel. vs one process",
+                    f"{worst:.1e}", worst <= 1e-5, ""))
+        off = {k: q for k, q in x["counted_over_model"].items() if q != 1.0}
+        out.append((f"10. {x['label']} N={x['world']} bytes", "counted = cost model, every kind",
+                    ", ".join(f"{k} {_f(q, 3)}" for k, q in x["counted_over_model"].items() if x["model_per_layer"][k]),
+                    not off and x["ranks_agree"], "" if not off else f"off by kind: {off}"))
+    return out
+
+
 CHECKS: Dict[str, Callable[[Rec], list]] = {
     "memory": check_memory, "balance": check_balance, "overlap": check_overlap, "e2e": check_e2e,
     "kernel": check_kernel, "vs_torch_cp": check_vs_torch, "compile": check_compile,
-    "doc_memory": check_doc_memory, "doc_balance": check_doc_balance,
+    "doc_memory": check_doc_memory, "doc_balance": check_doc_balance, "strategies": check_strategies,
 }
 
 

@@ -211,6 +211,40 @@ def doc_memory(r: Rec) -> str:
                    "|loss − N=1|"], rows)
 
 
+def strategies(r: Rec) -> str:
+    kinds = list(r["kinds"])
+    rows = []
+    for x in r["rows"]:
+        if "error" in x:
+            rows.append([x["label"], x["world"], "failed: " + x["error"], "", "", "", "", "", ""])
+            continue
+        err = [f"{x[k]:.1e}" if k in x else "" for k in ("loss_rel_err", "grad_rel_err")]
+        grid = f"{x['u']}×{x['r']}" if "u" in x else "1"
+        turn = _f(x["step_s_interleaved"], 2) if "step_s_interleaved" in x else x.get("interleaved_error", "")
+        rows.append([x["label"], x["world"], grid, *err, _f(x["peak_above_mib"], 1), _f(x.get("ratio_above", 1)),
+                     _f(x["peak_rss_mib"], 1), _f(x["step_s"], 2), turn])
+    text = _table(["strategy", "N", "u×r", "loss rel err", "worst grad rel err", "peak above baseline (MiB, max rank)",
+                   "× N=1", "peak RSS (MiB)", "step (s), own run", "step (s), strategies in turn"], rows)
+    sent = []
+    for x in r["rows"]:
+        for k in kinds if "sent_per_layer" in x else ():
+            got, want = x["sent_per_layer"][k], x["model_per_layer"][k]
+            sent.append([x["label"], k, f"{got:,.0f}", f"{want:,}", _f(x["counted_over_model"][k], 3) if want else
+                         ("—" if not got else "∞"), "yes" if x["ranks_agree"] else "**no**"])
+    m = r["model"]
+    text += (f"\n\nBytes sent per attention layer per rank over one training step (forward + backward): counted at "
+             f"runtime by `cp_compile.traffic.measure()` (divided by the {m['n_layers']} layers) beside the cost "
+             f"model `cp_compile.ulysses.cost.strategy_cost` for the attention's shape (batch 1, H {m['n_heads']}, "
+             f"H_kv {m['n_kv_heads']}, head_dim {m['dim'] // m['n_heads']}, padded S, fp32, causal):\n\n")
+    text += _table(["strategy", "kind", "counted (bytes)", "cost model (bytes)", "counted / model", "every rank same"],
+                   sent)
+    return text + ("\n\nStep times (median over steps, slowest rank): N ranks share the 2 cores (and the machine's "
+                   "other work), so they mix compute, gloo transfers and contention; no target. \"own run\": in the "
+                   "configuration's fresh ranks; \"in turn\": the N-rank strategies compiled side by side in one set "
+                   "of ranks and stepped one after another each round, so all see the same load. The one-process "
+                   "row is one thread.")
+
+
 SECTIONS = [
     ("memory", "1. Memory scaling", memory), ("balance", "2. Load balance", balance),
     ("overlap", "3. Overlap", overlap), ("e2e", "4. End to end", e2e), ("kernel", "5. Kernel efficiency", kernel),
@@ -218,4 +252,5 @@ SECTIONS = [
     ("error", "Exactness: error vs ring size", error),
     ("doc_memory", "8. Memory with packed documents", doc_memory),
     ("doc_balance", "9. Balance with packed documents", doc_balance),
+    ("strategies", "10. CP strategies: ring, Ulysses, 2-D", strategies),
 ]

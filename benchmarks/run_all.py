@@ -36,6 +36,7 @@ BENCHES: Dict[str, Tuple[str, List[str]]] = {
     "compile": ("bench_compile.py", ["--seq-len", "256"]),
     "doc_memory": ("bench_doc_memory.py", ["--seq-lens", "4k", "--worlds", "1,2"]),
     "doc_balance": ("bench_doc_balance.py", ["--quick"]),
+    "strategies": ("bench_strategies.py", ["--seq-len", "256", "--steps", "1"]),
 }
 
 
