@@ -151,7 +151,7 @@ def _through(source: str, kw: dict, options: dict) -> dict:
 U2 = {"strategy": "ulysses"}
 D2 = {"strategy": "2d", "ulysses_degree": 2}
 CASES = {  # id: (world, source, factory kwargs, options, Ulysses-wrapped tensors per attention)
-    "llama_gqa_ulysses_2": (2, "llama", {"seq_len": 32}, U2, 3),
+    # (the Llama under ulysses at N = 2: tests/test_options.py's strategy=ulysses row)
     "llama_gqa_ulysses_4_kv_replicated": (4, "llama", {"seq_len": 32}, U2, 3),
     "llama_2d_2x2": (4, "llama", {"seq_len": 32}, D2, 3),
     "llama_mqa_ulysses_2": (2, "llama", {"seq_len": 32, "n_kv_heads": 1}, U2, 3),
