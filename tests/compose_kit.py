@@ -26,11 +26,12 @@ def blocks(model) -> torch.nn.ModuleList:
     return model.layers if hasattr(model, "layers") else model.h
 
 
-def wrap(recipe: str, model, mesh, mp_policy=None):
+def wrap(recipe: str, model, mesh, mp_policy=None, **options):
     """Apply ``recipe`` to ``model``; returns (the callable to run, the RingCP backend).
-    ``mp_policy``: FSDP2's MixedPrecisionPolicy for the FSDP recipes (None: FSDP2's default)."""
+    ``mp_policy``: FSDP2's MixedPrecisionPolicy for the FSDP recipes (None: FSDP2's default);
+    ``options``: more RingCP options (e.g. ``strategy``)."""
     sync = "allreduce" if recipe.endswith("allreduce") else "none"
-    backend = cp_compile.RingCP(inner="aot_eager", mesh=mesh, grad_sync=sync)  # ring_cp uses the "cp" dim
+    backend = cp_compile.RingCP(inner="aot_eager", mesh=mesh, grad_sync=sync, **options)  # uses the "cp" dim
     if recipe.startswith("ddp"):
         return _wrap_ddp(recipe, model, mesh, backend), backend
     if not recipe.startswith("fsdp"):

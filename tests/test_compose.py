@@ -38,6 +38,8 @@ one graph explain traces (DDPOptimizer, graph breaks), what explain can know of 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,9 +76,9 @@ def _reference(model_kw: dict):
     return loss.detach(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _compose(recipe: str, model_kw: dict):
+def _compose(recipe: str, model_kw: dict, options: Optional[dict] = None):
     """On every rank: (loss averaged over dp, {name: full grad}, {name: full param after SGD},
-    the graph counts of :func:`graph_counts`)."""
+    the graph counts of :func:`graph_counts`); ``options``: more RingCP options."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
@@ -84,8 +86,9 @@ def _compose(recipe: str, model_kw: dict):
     model, ids, labels = _global_batch(**model_kw)
     d = mesh.get_local_rank("dp")
     ids, labels = ids[d : d + 1], labels[d : d + 1]  # this dp rank's row; both cp ranks pass it whole
-    explained = None if recipe == "fsdp_per_layer_model" else _explain(recipe, model, ids, labels, mesh)  # refused
-    run, backend = wrap(recipe, model, mesh)
+    options = options or {}
+    explained = None if recipe == "fsdp_per_layer_model" else _explain(recipe, model, ids, labels, mesh, options)
+    run, backend = wrap(recipe, model, mesh, **options)
     # DDPOptimizer (Dynamo's default under DDP) splits the graph at DDP bucket boundaries:
     # on only where a recipe tests it.
     with torch._dynamo.config.patch(optimize_ddp=recipe == "ddp_optimizer"):
@@ -98,12 +101,12 @@ def _compose(recipe: str, model_kw: dict):
     return mean_over_ranks(loss), grads, params, graph_counts(backend, attentions)
 
 
-def _explain(recipe: str, model, ids, labels, mesh):
+def _explain(recipe: str, model, ids, labels, mesh, options: dict):
     """What ``cp-compile explain`` says of the model this rank compiles (before it is wrapped, on
     this rank's row; the CP group is the mesh's "cp" dim): the whole model's record, or under
     per-layer FSDP the record of one layer, the graph that holds the attention."""
     options = dict(world_size=CP, rank=mesh.get_local_rank("cp"),
-                   grad_sync="allreduce" if recipe.endswith("allreduce") else "none")
+                   grad_sync="allreduce" if recipe.endswith("allreduce") else "none", **options)
     if recipe in PER_LAYER:
         pos = torch.arange(ids.shape[1])
         x, cos, sin = model.tok_emb(ids), model.rope_cos[pos], model.rope_sin[pos]  # what the layers take
@@ -160,6 +163,14 @@ def test_dp_x_cp_equals_one_process_on_the_global_batch(ranks, reference, recipe
     per_rank = ranks.run(4, _compose, recipe, {}, timeout=300)
     for rank, (*_, counts) in enumerate(per_rank):
         assert counts["rewritten"] >= 1, (rank, "ring_cp rewrote no graph")
+    _check(per_rank, reference)
+
+
+@pytest.mark.slow
+def test_dp_x_cp_under_ulysses(ranks, reference):
+    """Ulysses inside each CP group of a DP x CP mesh: its sub-groups are made by their members only
+    (the CP groups are not the world), and DDP's reduction over dp composes with it."""
+    per_rank = ranks.run(4, _compose, "ddp", {}, {"strategy": "ulysses"}, timeout=300)
     _check(per_rank, reference)
 
 
