@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..group import CPGroup
 
-_CACHE: Dict[Tuple[str, int], Tuple[CPGroup, CPGroup]] = {}
+_CACHE: Dict[Tuple[str, int, int], Tuple[CPGroup, CPGroup]] = {}
 
 
 def check_degree(u: int, world: int) -> None:
@@ -47,7 +47,7 @@ def sub_groups(cp: CPGroup, u: int) -> Tuple[CPGroup, CPGroup]:
     if cp.pg is None:  # a synthetic group: names only (the graph is read, not run)
         return (CPGroup(None, j, u) if u > 1 else CPGroup(None, 0, 1),
                 CPGroup(None, i, r) if r > 1 else CPGroup(None, 0, 1))
-    key = (cp.name, u)
+    key = (cp.name, id(cp.pg), u)  # a group re-made under the same name (re-initialised) is another key
     if key not in _CACHE:
         members = dist.get_process_group_ranks(cp.pg)  # CP rank -> global rank
         row = [members[i * u + jj] for jj in range(u)]

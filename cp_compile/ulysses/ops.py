@@ -38,18 +38,18 @@ _ARGS = "int[] heads, int u, str group_name, str cp_name, str load_balance, Tens
 
 
 @functools.lru_cache(maxsize=64)
-def _fixed_order(c: int, u: int, cp_name: str, load_balance: str) -> Tensor:
-    cp = group_by_name(cp_name)
-    i = cp.rank // u
-    pos = torch.cat([rank_positions(cp.size * c, cp.size, i * u + j, load_balance) for j in range(u)])
+def _fixed_order(c: int, u: int, rank: int, world: int, load_balance: str) -> Tensor:
+    i = rank // u
+    pos = torch.cat([rank_positions(world * c, world, i * u + j, load_balance) for j in range(u)])
     return torch.argsort(pos, stable=True)
 
 
 def token_order(c: int, u: int, cp_name: str, load_balance: str, positions: Optional[Tensor]) -> Tensor:
     """(u·c,) int64: where each of the Ulysses group's tokens goes once they are sorted by position."""
+    cp = group_by_name(cp_name)
     if positions is None:
-        return _fixed_order(c, u, cp_name, load_balance)
-    i = group_by_name(cp_name).rank // u
+        return _fixed_order(c, u, cp.rank, cp.size, load_balance)
+    i = cp.rank // u
     return torch.argsort(positions[i * u:(i + 1) * u].reshape(-1).cpu(), stable=True)
 
 
