@@ -505,3 +505,32 @@ def run_cli(argv: List[str], capsys: Any) -> tuple:
     out, err = capsys.readouterr()
     return code, out, err
 
+
+# --------------------------------------------------------------------------- the zoo
+
+
+def zoo_problems(member: Any, r: dict, sharded: bool = True) -> List[str]:
+    """What of tests/test_zoo.py's checks one rank's :func:`zoo.measure.measure` result fails (empty: all
+    hold); ``sharded=False`` skips the member's minimum sharded fraction (Ulysses' head-sharded copies
+    of q, k, v, out count against it)."""
+    bad = []
+    if not (r["loss"] <= member.tol and r["grad"] <= member.tol):
+        bad.append(f"error: loss {r['loss']:.2e}, worst gradient {r['grad']:.2e} ({r['grad_name']})")
+    if r["grads_missing"]:
+        bad.append(f"gradient on one side only: {r['grads_missing']}")
+    bad += r["ring_mismatches"]
+    if r["whole_attention"] or r["quadratic"] or r["recompiled"]:
+        bad.append(f"second call: attention outside the ring {r['whole_attention']}, sequence-squared "
+                   f"tensors {r['quadratic']}, recompiled {r['recompiled']}")
+    unexpected = [f for f in r["fallbacks"] if not any(op in f for op in member.mixes_tokens)]
+    absent = [op for op in member.mixes_tokens if not any(op in f for f in r["fallbacks"])]
+    if unexpected or absent:
+        bad.append(f"fallbacks: unexpected {unexpected}, declared but absent {absent}")
+    if sharded and r["sharded"] < member.min_sharded:
+        bad.append(f"sharded fraction {r['sharded']:.3f} < {member.min_sharded}")
+    if len(r["records"]) == 1:
+        if r["records"] != [r["explained"]]:
+            bad.append(f"explain {r['explained']} != runtime {r['records']}")
+    else:
+        bad += pieces_mismatches(r["records"], r["explained"])
+    return bad

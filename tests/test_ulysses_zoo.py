@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 
+from checks import zoo_problems
 from zoo import members
 from zoo.measure import measure
 
@@ -35,24 +36,13 @@ def _measure_all(names, options):
 
 
 def _problems(name: str, r: dict, expected: str) -> list:
-    """What fails for one member on one rank (empty: every check holds)."""
-    member, bad = ZOO[name], []
-    if not (r["loss"] <= member.tol and r["grad"] <= member.tol):
-        bad.append(f"error: loss {r['loss']:.2e}, worst gradient {r['grad']:.2e} ({r['grad_name']})")
-    if r["grads_missing"]:
-        bad.append(f"gradient on one side only: {r['grads_missing']}")
-    bad += r["ring_mismatches"]
-    if r["whole_attention"] or r["quadratic"] or r["recompiled"]:
-        bad.append(f"second call: {r['whole_attention']} {r['quadratic']} recompiled {r['recompiled']}")
-    unexpected = [f for f in r["fallbacks"] if not any(op in f for op in member.mixes_tokens)]
-    if unexpected or any(not any(op in f for f in r["fallbacks"]) for op in member.mixes_tokens):
-        bad.append(f"fallbacks {r['fallbacks']}, declared {member.mixes_tokens}")
+    """What fails for one member on one rank (empty: every check holds): tests/test_zoo.py's checks, and
+    every attention under the strategy asked for, with its q, k, v all-to-alls."""
+    bad = zoo_problems(ZOO[name], r, sharded=False)
     if not r["strategies"] or set(r["strategies"]) != {expected} or r["not_applied"]:
         bad.append(f"strategies {r['strategies']} (expected {expected}), left on the ring {r['not_applied']}")
     if r["a2a"] < 3 * len(r["strategies"]):
         bad.append(f"{r['a2a']} seq_to_heads for {len(r['strategies'])} attention(s): q, k, v each need one")
-    if len(r["records"]) == 1 and r["records"] != [r["explained"]]:
-        bad.append(f"explain {r['explained']} != runtime {r['records']}")
     return bad
 
 

@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-from checks import pieces_mismatches
+from checks import zoo_problems
 from cp_compile.tools.explain import explain_model
 from zoo import members
 from zoo.measure import measure
@@ -34,36 +34,11 @@ ZOO = members()
 CASES = [pytest.param(name, world, id=f"{name}-N{world}") for name, m in ZOO.items() for world in m.worlds]
 
 
-def _problems(member, r: dict) -> list:
-    """What of the checks above one rank's measurement fails (empty: all hold)."""
-    bad = []
-    if not (r["loss"] <= member.tol and r["grad"] <= member.tol):
-        bad.append(f"error: loss {r['loss']:.2e}, worst gradient {r['grad']:.2e} ({r['grad_name']})")
-    if r["grads_missing"]:
-        bad.append(f"gradient on one side only: {r['grads_missing']}")
-    bad += r["ring_mismatches"]
-    if r["whole_attention"] or r["quadratic"] or r["recompiled"]:
-        bad.append(f"second call: attention outside the ring {r['whole_attention']}, sequence-squared "
-                   f"tensors {r['quadratic']}, recompiled {r['recompiled']}")
-    unexpected = [f for f in r["fallbacks"] if not any(op in f for op in member.mixes_tokens)]
-    absent = [op for op in member.mixes_tokens if not any(op in f for f in r["fallbacks"])]
-    if unexpected or absent:
-        bad.append(f"fallbacks: unexpected {unexpected}, declared but absent {absent}")
-    if r["sharded"] < member.min_sharded:
-        bad.append(f"sharded fraction {r['sharded']:.3f} < {member.min_sharded}")
-    if len(r["records"]) == 1:
-        if r["records"] != [r["explained"]]:
-            bad.append(f"explain {r['explained']} != runtime {r['records']}")
-    else:
-        bad += pieces_mismatches(r["records"], r["explained"])
-    return bad
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,world", CASES)
 def test_zoo_member_is_exact_ring_only_and_sharded(ranks, name, world):
     per_rank = ranks.run(world, measure, name, timeout=300)
-    failures = {rank: p for rank, r in enumerate(per_rank) if (p := _problems(ZOO[name], r))}
+    failures = {rank: p for rank, r in enumerate(per_rank) if (p := zoo_problems(ZOO[name], r))}
     assert not failures, f"{name} on {world} ranks: {failures}"
 
 
