@@ -194,6 +194,9 @@ def test_auto_picks_by_the_cost_model():
     few_heads = AttentionShape(1, 2, 2, 128, 131072)  # 2 heads on 16 ranks: Ulysses pads 14 of 16 heads
     d = choose("auto", 16, None, few_heads, "", HARDWARE["h100-nvlink"])
     assert d.strategy == "ring", d
+    masked = AttentionShape(1, 32, 8, 128, 131072, mask_bytes=1 * 1 * 8192 * 131072, mask_heads=1)
+    d = choose("auto", 16, None, masked, "", HARDWARE["h100-ib"])  # a per-query bool mask must travel too
+    assert d.strategy == "ring", d
     d = choose("auto", 4, None, few_heads, "the striped layout under a symbolic length", HARDWARE["cpu-gloo"])
     assert d.strategy == "ring" and "striped" in d.why and not d.fell_back, d
     forced = choose("ulysses", 4, None, None, "", HARDWARE["cpu-gloo"])

@@ -13,6 +13,11 @@ heads a rank receives)::
                          KV = 2·B·m·(u·c)·D·e  (m = H_kv when u = 1)
 
 ``ring`` is u = 1, ``ulysses`` is r = 1 (the local attention sees the whole sequence), ``2d`` both.
+The mask form counts: the causal flag sets the work fraction f below, and an explicit per-query mask
+(``mask_bytes``: what this rank holds of it, rows of its c queries over all S keys, ``mask_heads`` of
+them) travels with the queries under Ulysses, forward only (a mask is a constant):
+``(u-1) · mask_bytes · s / mask_heads`` more all-to-all bytes, s = hq slots for a per-head mask, 1 for
+one shared by every head.
 Memory per rank for the attention's operands beyond the model's own (``memory_bytes``): Ulysses'
 head-sharded q, k, v, out, ``B·(u·c)·D·e·(2·hq + 2·m)`` (u > 1, ``hq = Hp/u``), plus the ring's 2 K/V
 blocks and 2 dK/dV accumulators (``a`` bytes each), ``2·KV + 2·KV·a/e`` (r > 1).
@@ -45,6 +50,8 @@ class AttentionShape:
     seq_len: int  # S, padded to the layout's multiple
     elem_bytes: int = 2
     causal: bool = True
+    mask_bytes: int = 0  # an explicit per-query mask: the bytes of this rank's rows (0: none)
+    mask_heads: int = 1  # its head dim (1: one mask for every head)
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,8 @@ def strategy_cost(shape: AttentionShape, world: int, strategy: str, u: Optional[
     m = plan.kv_per_rank if deg > 1 else shape.kv_heads
     hp, _ = plan.sent()
     a2a = 2 * (deg - 1) * B * c * D * e * (2 * plan.per_rank + 2 * m) if deg > 1 else 0
+    slots = 1 if shape.mask_heads == 1 else plan.per_rank
+    a2a += (deg - 1) * shape.mask_bytes * slots // shape.mask_heads  # the mask's rows go with the queries
     kv = 2 * B * m * (deg * c) * D * e
     acc = kv * max(4, e) // e
     ring_kv, ring_acc = (2 * (r - 1) * kv, r * acc) if r > 1 else (0, 0)

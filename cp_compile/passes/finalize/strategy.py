@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -106,7 +106,19 @@ def _shape(args: Dict[str, Any], ctx: RewriteContext) -> Optional[AttentionShape
     dims = (q.shape[0], q.shape[1], k.shape[1], q.shape[3])
     if not all(isinstance(d, int) for d in dims):
         return None
-    return AttentionShape(*dims, ctx.padded_len, q.element_size(), bool(args["causal"]))
+    mask_bytes, mask_heads = _per_query_mask(_val(args.get("attn_mask")))
+    return AttentionShape(*dims, ctx.padded_len, q.element_size(), bool(args["causal"]), mask_bytes, mask_heads)
+
+
+def _per_query_mask(m: Any) -> Tuple[int, int]:
+    """(bytes held, head dim) of an explicit mask whose rows differ by query; (0, 1) otherwise."""
+    if not isinstance(m, torch.Tensor) or m.dim() != 4 or m.shape[2] == 1 or m.stride(2) == 0:
+        return 0, 1
+    held = [d for d, st in zip(m.shape, m.stride()) if st != 0]  # broadcast dims hold nothing
+    size = 1
+    for d in held:
+        size *= d
+    return (int(size) * m.element_size(), int(m.shape[1])) if all(isinstance(d, int) for d in held) else (0, 1)
 
 
 def _blocker(args: Dict[str, Any], ctx: RewriteContext) -> str:
