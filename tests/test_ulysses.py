@@ -285,3 +285,63 @@ def test_checkpointed_blocks_under_the_decorator(ranks):
         # per layer: q, k, v sent and out back in the forward; the backward sends dout and gets dq, dk, dv back,
         # and recomputes the region (RMSNorm's rsqrt) but not its all-to-alls
         assert r["forward"][:2] == [6, 2] and r["backward"][:2] == [2, 6] and r["backward"][2] > 0, (rank, r)
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+def _dynamic(cases: list) -> list:
+    """On a rank: each (strategy, layout) compiled with ``dynamic=True`` and run at two lengths (one
+    padded) against the eager one-process run; what each attention got, and the WARNINGs."""
+
+    import cp_compile
+
+    out = []
+    for strategy, lb in cases:
+        torch._dynamo.reset()
+        (ref_model, _), (cp_model, _) = models.llama_factory(seq_len=32), models.llama_factory(seq_len=32)
+        backend = cp_compile.RingCP(inner="aot_eager", strategy=strategy, load_balance=lb)
+        compiled = torch.compile(cp_model, backend=backend, dynamic=True)
+        errors = []
+        with _warnings() as warned:
+            for s in (32, 27):  # a second length (padded): one recompile-free run at a new symbolic S
+                _, inputs = models.llama_factory(seq_len=s)
+                for p in (*cp_model.parameters(), *ref_model.parameters()):
+                    p.grad = None
+                ref = ref_model(*inputs)
+                ref.backward()
+                got = compiled(*inputs)
+                got.backward()
+                errors.append(max(rel(got.detach(), ref.detach()), *grad_errors(cp_model, ref_model).values()))
+        out.append({"case": (strategy, lb), "error": max(errors), "warned": warned,
+                    "strategies": sorted({s for r in backend.records for s in r.strategies})})
+    return out
+
+
+class _warnings:
+    """The cp_compile WARNING messages logged inside the block."""
+
+    def __enter__(self) -> list:
+        import logging
+
+        self.seen, self.log = [], logging.getLogger("cp_compile")
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.seen.append(record.getMessage())
+        self.log.addHandler(self.handler)
+        return self.seen
+
+    def __exit__(self, *exc) -> None:
+        self.log.removeHandler(self.handler)
+
+
+@pytest.mark.slow
+def test_symbolic_lengths(ranks):
+    """Under ``dynamic=True`` (two lengths, one padded) Ulysses and 2-D run exact; 2-D under striped, whose
+    ring needs a positions table per length, runs the ring and says so once per line and reason."""
+    cases = [("2d", "zigzag"), ("ulysses", "striped"), ("2d", "striped")]
+    for rank, results in enumerate(ranks.run(4, _dynamic, cases, timeout=600)):
+        by_case = {r["case"]: r for r in results}
+        assert all(r["error"] <= TOL for r in results), (rank, results)
+        assert [s.split(":")[0] for s in by_case["2d", "zigzag"]["strategies"]] == ["2d u=2 x r=2"], by_case
+        assert [s.split(":")[0] for s in by_case["ulysses", "striped"]["strategies"]] == ["ulysses u=4"], by_case
+        fell = by_case["2d", "striped"]
+        assert [s.split(":")[0] for s in fell["strategies"]] == ["ring"], fell
+        assert len(fell["warned"]) == 1 and "striped" in fell["warned"][0] and "models.py" in fell["warned"][0], fell

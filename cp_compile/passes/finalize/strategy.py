@@ -51,6 +51,7 @@ from ..context import RewriteContext, log, source_line
 from ..node_facts import facts, set_facts
 from ..ring_call import ring_call
 
+_WARNED: set = set()
 SEQ_TO_HEADS = torch.ops.cp_compile.seq_to_heads.default
 HEADS_TO_SEQ = torch.ops.cp_compile.heads_to_seq.default
 
@@ -61,14 +62,16 @@ def apply_strategy(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     if not rings or ctx.options.strategy == "ring":
         return  # every ring op stays as emitted (its description's defaults say "ring")
     hw = parse_hardware(ctx.options.hardware) if ctx.options.hardware else default_hardware(_device(rings[0]))
-    for node in rings:
+    for i, node in enumerate(rings):
         args = ring_arguments(node)
+        where = source_line(ctx.attention[i]) if i < len(ctx.attention) else source_line(node)
         decision = choose(ctx.options.strategy, ctx.world, ctx.options.ulysses_degree, _shape(args, ctx),
                           _blocker(args, ctx), hw)
         set_facts(node, ring_call=replace(ring_call(node), strategy=decision.strategy, ulysses=decision.u,
                                           why=decision.why))
-        if decision.fell_back:
-            log.warning("cp_compile: attention (node %s) at %s: %s", node.name, source_line(node), decision.why)
+        if decision.fell_back and (where, decision.why) not in _WARNED:  # once per line and reason
+            _WARNED.add((where, decision.why))
+            log.warning("cp_compile: attention at %s: %s", where, decision.why)
         else:
             log.info("cp_compile: attention (node %s): %s", node.name, decision.text)
         if decision.u > 1:
@@ -103,11 +106,21 @@ def _shape(args: Dict[str, Any], ctx: RewriteContext) -> Optional[AttentionShape
     q, k = _val(args["q"]), _val(args["k"])
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
         return None
-    dims = (q.shape[0], q.shape[1], k.shape[1], q.shape[3])
-    if not all(isinstance(d, int) for d in dims):
+    if not (isinstance(q.shape[1], int) and isinstance(k.shape[1], int)):
+        return None  # the heads decide the split: symbolic, nothing to plan by
+    dims = (_hint(q.shape[0]), q.shape[1], k.shape[1], _hint(q.shape[3]))  # a symbolic batch priced at its hint
+    if None in dims:
         return None
     mask_bytes, mask_heads = _per_query_mask(_val(args.get("attn_mask")))
     return AttentionShape(*dims, ctx.padded_len, q.element_size(), bool(args["causal"]), mask_bytes, mask_heads)
+
+
+def _hint(d: Any) -> Optional[int]:
+    """``d`` as an int: a SymInt through its hint (never ``int()``, which would guard on it); None if none."""
+    if isinstance(d, int):
+        return d
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
 
 
 def _per_query_mask(m: Any) -> Tuple[int, int]:
@@ -122,8 +135,9 @@ def _per_query_mask(m: Any) -> Tuple[int, int]:
 
 
 def _blocker(args: Dict[str, Any], ctx: RewriteContext) -> str:
-    """Why Ulysses cannot run this ring call ("" when it can)."""
-    if ctx.options.load_balance == "striped" and ctx.seq_sym is not None:
+    """Why Ulysses cannot run this ring call ("" when it can). A ring over r > 1 ranks after the all-to-all
+    needs a positions table under striped, fixed per length; Ulysses alone (r = 1) needs none."""
+    if ctx.options.load_balance == "striped" and ctx.seq_sym is not None and ctx.options.strategy != "ulysses":
         return "the striped layout under a symbolic sequence length (the ring's positions table is per length)"
     if args.get("positions") is None and ctx.options.load_balance == "documents":
         return "a documents layout without its positions table"
