@@ -125,13 +125,20 @@ def _hint(d: Any) -> Optional[int]:
 
 def _per_query_mask(m: Any) -> Tuple[int, int]:
     """(bytes held, head dim) of an explicit mask whose rows differ by query; (0, 1) otherwise."""
-    if not isinstance(m, torch.Tensor) or m.dim() != 4 or m.shape[2] == 1 or m.stride(2) == 0:
+    if not _rows_per_query(m):
         return 0, 1
-    held = [d for d, st in zip(m.shape, m.stride()) if st != 0]  # broadcast dims hold nothing
+    held = [_hint(d) for d, st in zip(m.shape, m.stride()) if _hint(st) != 0]  # broadcast dims hold nothing
+    if None in held:
+        return 0, 1
     size = 1
     for d in held:
         size *= d
-    return (int(size) * m.element_size(), int(m.shape[1])) if all(isinstance(d, int) for d in held) else (0, 1)
+    return size * m.element_size(), _hint(m.shape[1]) or 1
+
+
+def _rows_per_query(m: Any) -> bool:
+    """Whether a (B|1, H|1, c|1, S) mask has a row per query (read through hints: no guard is added)."""
+    return isinstance(m, torch.Tensor) and m.dim() == 4 and _hint(m.shape[2]) != 1 and _hint(m.stride(2)) != 0
 
 
 def _blocker(args: Dict[str, Any], ctx: RewriteContext) -> str:
@@ -195,10 +202,10 @@ def _mask(gm: fx.GraphModule, mask: fx.Node, plan: HeadPlan, head_map: fx.Node, 
     """An explicit mask for the head-sharded call: per-query rows travel with the queries; a row
     broadcast over the queries keeps its row and takes this rank's heads."""
     m = _val(mask)
-    if m.shape[2] != 1 and m.stride(2) != 0:  # (B|1, H|1, c, S): rows of this rank's queries
-        heads = plan.q_index() if m.shape[1] != 1 else [0] * plan.u
+    if _rows_per_query(m):  # (B|1, H|1, c, S): rows of this rank's queries
+        heads = plan.q_index() if _hint(m.shape[1]) != 1 else [0] * plan.u
         return _call(gm, SEQ_TO_HEADS, mask, heads=heads, **a2a)
-    if m.shape[1] == 1:
+    if _hint(m.shape[1]) == 1:
         return mask
     return _refresh(gm.graph.call_function(torch.ops.aten.index_select.default, (mask, 1, head_map)))
 
