@@ -23,7 +23,7 @@ import flex_models
 import models
 import packed
 
-from checks import MaskedAttention, explain_record, grad_errors, masked_inputs, rel
+from checks import MaskedAttention, cp_compile_warnings, explain_record, grad_errors, masked_inputs, rel
 from cp_compile.hardware import HARDWARE
 from cp_compile.ulysses.choose import choose
 from cp_compile.ulysses.cost import AttentionShape
@@ -291,7 +291,6 @@ def test_checkpointed_blocks_under_the_decorator(ranks):
 def _dynamic(cases: list) -> list:
     """On a rank: each (strategy, layout) compiled with ``dynamic=True`` and run at two lengths (one
     padded) against the eager one-process run; what each attention got, and the WARNINGs."""
-
     import cp_compile
 
     out = []
@@ -301,7 +300,7 @@ def _dynamic(cases: list) -> list:
         backend = cp_compile.RingCP(inner="aot_eager", strategy=strategy, load_balance=lb)
         compiled = torch.compile(cp_model, backend=backend, dynamic=True)
         errors = []
-        with _warnings() as warned:
+        with cp_compile_warnings() as warned:
             for s in (32, 27):  # a second length (padded): one recompile-free run at a new symbolic S
                 _, inputs = models.llama_factory(seq_len=s)
                 for p in (*cp_model.parameters(), *ref_model.parameters()):
@@ -314,22 +313,6 @@ def _dynamic(cases: list) -> list:
         out.append({"case": (strategy, lb), "error": max(errors), "warned": warned,
                     "strategies": sorted({s for r in backend.records for s in r.strategies})})
     return out
-
-
-class _warnings:
-    """The cp_compile WARNING messages logged inside the block."""
-
-    def __enter__(self) -> list:
-        import logging
-
-        self.seen, self.log = [], logging.getLogger("cp_compile")
-        self.handler = logging.Handler(logging.WARNING)
-        self.handler.emit = lambda record: self.seen.append(record.getMessage())
-        self.log.addHandler(self.handler)
-        return self.seen
-
-    def __exit__(self, *exc) -> None:
-        self.log.removeHandler(self.handler)
 
 
 @pytest.mark.slow
