@@ -28,6 +28,7 @@ from .cost import TensorHeld, activation_bytes, ring_tensors
 from ..passes.context import RewriteContext, source_line
 from ..passes.ring_call import ring_call
 from ..passes.analyze.graph_inputs import user_name
+from ..ulysses.choose import label
 
 log = logging.getLogger("cp_compile")
 
@@ -109,9 +110,8 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
 
 def strategy_text(call: Any, world: int) -> str:
     """``ring``, ``ulysses u=4`` or ``2d u=2 x r=2``, then why (a ring call's strategy fields)."""
-    u = call.ulysses
-    size = {"ring": "ring", "ulysses": f"ulysses u={u}"}.get(call.strategy, f"2d u={u} x r={world // u}")
-    return f"{size}: {call.why}" if call.why else size
+    name = label(call.strategy, call.ulysses, world // call.ulysses)
+    return f"{name}: {call.why}" if call.why else name
 
 
 def _human(n: int) -> str:

@@ -28,9 +28,13 @@ class Decision:
 
     @property
     def text(self) -> str:
-        """``ring`` / ``ulysses u=4`` / ``2d u=2 x r=2``, then why."""
-        what = {"ring": "ring", "ulysses": f"ulysses u={self.u}", "2d": f"2d u={self.u} x r={self.r}"}
-        return f"{what[self.strategy]}: {self.why}"
+        """:func:`label`, then why."""
+        return f"{label(self.strategy, self.u, self.r)}: {self.why}"
+
+
+def label(strategy: str, u: int, r: int) -> str:
+    """``ring`` / ``ulysses u=4`` / ``2d u=2 x r=2``: a strategy as the record and explain name it."""
+    return {"ring": "ring", "ulysses": f"ulysses u={u}"}.get(strategy, f"2d u={u} x r={r}")
 
 
 def degree_for(strategy: str, world: int, degree: Optional[int]) -> int:
