@@ -27,7 +27,6 @@ the graph), for ``rotate="p2p"``:
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -37,6 +36,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import graph_ops
+from ..passes.fx_utils import rows_per_query, stored_bytes, to_int  # noqa: F401 (to_int: re-exported)
 from ..passes.ring_call import ring_call
 from ..ring.call_spec import RING_FWD, RingCall, ring_arguments
 from ..ulysses import ops as _ulysses_ops  # noqa: F401 (registers the all-to-all ops read below)
@@ -109,35 +109,12 @@ def node_kind(node: fx.Node) -> str:
     return ""
 
 
-def to_int(d: Any) -> Any:
-    """``d`` as an int (a SymInt's hint), or its text when it has none.
-
-    A SymInt is read through its hint, never ``int()``: the backend builds the graph record
-    (cp_compile/backend/record.py) while Dynamo's guards are still open, and ``int()`` would
-    specialise the symbolic length (a recompile for every new sequence length)."""
-    if isinstance(d, torch.SymInt):
-        hint = d.node.hint
-        return int(hint) if hint is not None else str(d)
-    try:
-        return int(d)
-    except Exception:
-        return str(d)
-
-
 def nbytes(val: Any) -> int:
     """Bytes of a (fake) tensor's elements; 0 for anything else or an unknown size."""
     if isinstance(val, torch.Tensor):
         n = to_int(val.numel())
         return n * val.element_size() if isinstance(n, int) else 0
     return 0
-
-
-def stored_bytes(val: Any) -> int:
-    """Bytes a (fake) tensor holds: dims of stride 0 (broadcast by ``expand``) count once."""
-    if not isinstance(val, torch.Tensor):
-        return 0
-    sizes = [to_int(s) for s, st in zip(val.shape, val.stride()) if to_int(st) != 0]
-    return math.prod(sizes) * val.element_size() if all(isinstance(s, int) for s in sizes) else 0
 
 
 def activation_bytes(gm: fx.GraphModule, key: str, seq_scale: Optional[Tuple[Any, int]] = None) -> int:
@@ -213,7 +190,7 @@ def _held(arg: Any) -> TensorHeld:
     val, name = _val(arg), arg.name if isinstance(arg, fx.Node) else ""
     if not isinstance(val, torch.Tensor):
         return TensorHeld(name)
-    per_query = val.dim() >= 2 and to_int(val.shape[-2]) != 1 and to_int(val.stride(-2)) != 0
+    per_query = rows_per_query(val)
     return TensorHeld(name, tuple(to_int(d) for d in val.shape), str(val.dtype).removeprefix("torch."),
                       stored_bytes(val), nbytes(val), to_int(val.numel()), per_query)
 

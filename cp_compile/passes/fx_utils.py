@@ -12,6 +12,7 @@ graphs call at run time, this one only compile-time helpers (importing it regist
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from typing import Any, Iterable, Optional, Tuple
@@ -129,3 +130,33 @@ def drop_empty_vmap_regions(graph: fx.Graph) -> None:
             for n in dead:
                 if not n.users:
                     graph.erase_node(n)
+
+
+def to_int(d: Any) -> Any:
+    """``d`` as an int (a SymInt's hint), or its text when it has none.
+
+    A SymInt is read through its hint, never ``int()``: the backend builds the graph record
+    (cp_compile/backend/record.py) while Dynamo's guards are still open, and ``int()`` would
+    specialise the symbolic length (a recompile for every new sequence length)."""
+    if isinstance(d, torch.SymInt):
+        hint = d.node.hint
+        return int(hint) if hint is not None else str(d)
+    try:
+        return int(d)
+    except Exception:
+        return str(d)
+
+
+def stored_bytes(val: Any) -> int:
+    """Bytes a (fake) tensor holds: dims of stride 0 (broadcast by ``expand``) count once."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    sizes = [to_int(s) for s, st in zip(val.shape, val.stride()) if to_int(st) != 0]
+    return math.prod(sizes) * val.element_size() if all(isinstance(s, int) for s in sizes) else 0
+
+
+def rows_per_query(val: Any) -> bool:
+    """Whether a (..., rows, S) mask value has a row per query: its row dim neither 1 nor broadcast
+    (stride 0), read through :func:`to_int` (no guard on a symbolic size)."""
+    return (isinstance(val, torch.Tensor) and val.dim() >= 2 and to_int(val.shape[-2]) != 1
+            and to_int(val.stride(-2)) != 0)

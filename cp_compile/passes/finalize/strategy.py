@@ -48,6 +48,7 @@ from ...ulysses.cost import AttentionShape
 from ...ulysses.groups import sub_groups, synthetic_name
 from ...ulysses.heads import HeadPlan
 from ..context import RewriteContext, log, source_line
+from ..fx_utils import rows_per_query, stored_bytes, to_int
 from ..node_facts import facts, set_facts
 from ..ring_call import ring_call
 
@@ -108,37 +109,19 @@ def _shape(args: Dict[str, Any], ctx: RewriteContext) -> Optional[AttentionShape
         return None
     if not (isinstance(q.shape[1], int) and isinstance(k.shape[1], int)):
         return None  # the heads decide the split: symbolic, nothing to plan by
-    dims = (_hint(q.shape[0]), q.shape[1], k.shape[1], _hint(q.shape[3]))  # a symbolic batch priced at its hint
-    if None in dims:
+    dims = (to_int(q.shape[0]), q.shape[1], k.shape[1], to_int(q.shape[3]))  # a symbolic batch priced at its hint
+    if not all(isinstance(d, int) for d in dims):
         return None
     mask_bytes, mask_heads = _per_query_mask(_val(args.get("attn_mask")))
     return AttentionShape(*dims, ctx.padded_len, q.element_size(), bool(args["causal"]), mask_bytes, mask_heads)
 
 
-def _hint(d: Any) -> Optional[int]:
-    """``d`` as an int: a SymInt through its hint (never ``int()``, which would guard on it); None if none."""
-    if isinstance(d, int):
-        return d
-    hint = getattr(getattr(d, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
-
-
 def _per_query_mask(m: Any) -> Tuple[int, int]:
     """(bytes held, head dim) of an explicit mask whose rows differ by query; (0, 1) otherwise."""
-    if not _rows_per_query(m):
+    if not rows_per_query(m):
         return 0, 1
-    held = [_hint(d) for d, st in zip(m.shape, m.stride()) if _hint(st) != 0]  # broadcast dims hold nothing
-    if None in held:
-        return 0, 1
-    size = 1
-    for d in held:
-        size *= d
-    return size * m.element_size(), _hint(m.shape[1]) or 1
-
-
-def _rows_per_query(m: Any) -> bool:
-    """Whether a (B|1, H|1, c|1, S) mask has a row per query (read through hints: no guard is added)."""
-    return isinstance(m, torch.Tensor) and m.dim() == 4 and _hint(m.shape[2]) != 1 and _hint(m.stride(2)) != 0
+    heads = to_int(m.shape[1])
+    return stored_bytes(m), heads if isinstance(heads, int) else 1
 
 
 def _blocker(args: Dict[str, Any], ctx: RewriteContext) -> str:
@@ -202,10 +185,10 @@ def _mask(gm: fx.GraphModule, mask: fx.Node, plan: HeadPlan, head_map: fx.Node, 
     """An explicit mask for the head-sharded call: per-query rows travel with the queries; a row
     broadcast over the queries keeps its row and takes this rank's heads."""
     m = _val(mask)
-    if _rows_per_query(m):  # (B|1, H|1, c, S): rows of this rank's queries
-        heads = plan.q_index() if _hint(m.shape[1]) != 1 else [0] * plan.u
+    if rows_per_query(m):  # (B|1, H|1, c, S): rows of this rank's queries
+        heads = plan.q_index() if to_int(m.shape[1]) != 1 else [0] * plan.u
         return _call(gm, SEQ_TO_HEADS, mask, heads=heads, **a2a)
-    if _hint(m.shape[1]) == 1:
+    if to_int(m.shape[1]) == 1:
         return mask
     return _refresh(gm.graph.call_function(torch.ops.aten.index_select.default, (mask, 1, head_map)))
 
