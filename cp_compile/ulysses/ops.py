@@ -23,7 +23,7 @@ counted in :mod:`cp_compile.traffic` ("all_to_all").
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,27 +38,43 @@ _ARGS = "int[] heads, int u, str group_name, str cp_name, str load_balance, Tens
 
 
 @functools.lru_cache(maxsize=64)
-def _fixed_order(c: int, u: int, rank: int, world: int, load_balance: str) -> Tensor:
+def _fixed_order(c: int, u: int, rank: int, world: int, load_balance: str,
+                 device: torch.device) -> Tuple[Tensor, Tensor]:
     i = rank // u
     pos = torch.cat([rank_positions(world * c, world, i * u + j, load_balance) for j in range(u)])
-    return torch.argsort(pos, stable=True)
+    return _with_inverse(torch.argsort(pos, stable=True), device)
 
 
-def token_order(c: int, u: int, cp_name: str, load_balance: str, positions: Optional[Tensor]) -> Tensor:
-    """(u·c,) int64: where each of the Ulysses group's tokens goes once they are sorted by position."""
+def _with_inverse(order: Tensor, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """(order, its inverse permutation), both on ``device``."""
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+    return order.to(device), back.to(device)
+
+
+def token_order(c: int, u: int, cp_name: str, load_balance: str, positions: Optional[Tensor],
+                device: torch.device) -> Tuple[Tensor, Tensor]:
+    """(u·c,) int64 on ``device``: where each of the Ulysses group's tokens goes once they are sorted by
+    position, and the inverse permutation (the peers' order back). A fixed layout's pair is cached; a
+    per-batch ``positions`` table's is computed per call."""
     cp = group_by_name(cp_name)
     if positions is None:
-        return _fixed_order(c, u, cp.rank, cp.size, load_balance)
+        return _fixed_order(c, u, cp.rank, cp.size, load_balance, device)
     i = cp.rank // u
-    return torch.argsort(positions[i * u:(i + 1) * u].reshape(-1).cpu(), stable=True)
+    return _with_inverse(torch.argsort(positions[i * u:(i + 1) * u].reshape(-1).cpu(), stable=True), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _head_index(heads: Tuple[int, ...], zero: int, device: torch.device) -> Tensor:
+    """``heads`` as an index tensor on ``device``, -1 (a zero head) read as ``zero``."""
+    return torch.tensor([h if h >= 0 else zero for h in heads], device=device)
 
 
 def _pick_heads(x: Tensor, heads: List[int]) -> Tensor:
     """(B, len(heads), c, ...): x's heads in ``heads`` order, zeros for -1."""
     if min(heads) < 0:
         x = torch.cat([x, x.new_zeros(x[:, :1].shape)], 1)
-    idx = torch.tensor([h if h >= 0 else x.shape[1] - 1 for h in heads], device=x.device)
-    return x.index_select(1, idx)
+    return x.index_select(1, _head_index(tuple(heads), x.shape[1] - 1, x.device))
 
 
 def _all_to_all(send: Tensor, group_name: str) -> Tensor:
@@ -82,8 +98,8 @@ def seq_to_heads(x: Tensor, heads: List[int], u: int, group_name: str, cp_name: 
     send = _pick_heads(x, heads).view(b, u, m, c, *rest).transpose(0, 1).contiguous()  # (u, B, m, c, ...)
     recv = _all_to_all(send, group_name)  # recv[p]: peer p's tokens of my head slots
     y = recv.permute(1, 2, 0, 3, *(d + 1 for d in tail)).reshape(b, m, u * c, *rest)
-    order = token_order(c, u, cp_name, load_balance, positions)
-    return y.index_select(2, order.to(y.device))
+    order, _ = token_order(c, u, cp_name, load_balance, positions, y.device)
+    return y.index_select(2, order)
 
 
 @seq_to_heads.register_fake
@@ -99,16 +115,13 @@ def heads_to_seq(y: Tensor, n_heads: int, heads: List[int], u: int, group_name: 
     :func:`seq_to_heads` (slots of one head summed, zero heads dropped)."""
     b, m, c, rest = y.shape[0], y.shape[1], y.shape[2] // u, tuple(y.shape[3:])
     tail = tuple(range(3, 3 + len(rest)))
-    order = token_order(c, u, cp_name, load_balance, positions)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel())
-    z = y.index_select(2, back.to(y.device)).view(b, m, u, c, *rest)  # peers' token order
+    _, back = token_order(c, u, cp_name, load_balance, positions, y.device)
+    z = y.index_select(2, back).view(b, m, u, c, *rest)  # peers' token order
     send = z.permute(2, 0, 1, 3, *(d + 1 for d in tail)).contiguous()  # (u, B, m, c, ...): block p to peer p
     recv = _all_to_all(send, group_name)  # recv[p]: my tokens of peer p's head slots
     slots = recv.transpose(0, 1).reshape(b, u * m, c, *rest)
-    idx = torch.tensor([h if h >= 0 else n_heads for h in heads], device=y.device)
     out = y.new_zeros((b, n_heads + 1, c, *rest))
-    return out.index_add_(1, idx, slots)[:, :n_heads].contiguous()
+    return out.index_add_(1, _head_index(tuple(heads), n_heads, y.device), slots)[:, :n_heads].contiguous()
 
 
 @heads_to_seq.register_fake
