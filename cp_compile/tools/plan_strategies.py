@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from ..hardware import Hardware
-from ..ulysses.cost import AttentionShape, StrategyCost, compare, strategy_cost
+from ..ulysses.cost import AttentionShape, StrategyCost, compare, largest_proper_divisor, strategy_cost
 from ..ulysses.heads import HeadPlan
 
 CHOICES = ("ring", "ulysses", "2d", "all")
@@ -29,7 +29,7 @@ def default_ulysses_degree(hw: Hardware, gpus: int) -> int:
     u = min(hw.node_gpus, gpus)
     if gpus % u == 0 and u < gpus:
         return u
-    return max((d for d in range(1, gpus) if gpus % d == 0), default=1)
+    return largest_proper_divisor(gpus)
 
 
 def degree_error(gpus: int, strategy: str, degree: Optional[int], hw: Hardware) -> Optional[str]:

@@ -81,14 +81,19 @@ class StrategyCost:
         return self.ring_kv_bytes + self.ring_acc_bytes
 
 
+def largest_proper_divisor(n: int) -> int:
+    """The largest d < n dividing n (1 when there is none: n prime or 1)."""
+    return max((d for d in range(1, n) if n % d == 0), default=1)
+
+
 def split(strategy: str, world: int, u: Optional[int]) -> Tuple[int, int]:
-    """(u, r) of ``strategy`` on ``world`` ranks; ``u``: the asked Ulysses degree (2d; None: the
-    largest proper divisor not above sqrt-free default, i.e. world // 2 for 2d)."""
+    """(u, r) of ``strategy`` on ``world`` ranks; ``u``: the asked Ulysses degree of 2d (None: the
+    largest proper divisor of ``world``)."""
     if strategy == "ring":
         return 1, world
     if strategy == "ulysses":
         return world, 1
-    deg = u if u is not None else max(d for d in range(1, world) if world % d == 0)
+    deg = u if u is not None else largest_proper_divisor(world)
     return deg, world // deg
 
 
