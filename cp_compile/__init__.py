@@ -7,7 +7,9 @@ across a context-parallel group, options :class:`RingOptions`), and :func:`shard
 :func:`unshard` / :func:`positions` (the load-balanced sequence layouts), and
 :func:`doc_ids_from_cu_seqlens` / :func:`doc_ids_from_position_ids` (document ids of
 packed sequences, for ``ring_attention(doc_ids=...)``) and :func:`layout_table` (a
-document-aware layout, for ``ring_attention(positions=...)`` and ``shard(positions=...)``).
+document-aware layout, for ``ring_attention(positions=...)`` and ``shard(positions=...)``), and
+:func:`register_recurrence` / :func:`unregister_recurrence` (a recurrent kernel's state contract, so
+ring_cp runs it on each rank's share of the sequence by state passing).
 
 The package, one screen (docs/design.md explains each part)::
 
@@ -25,6 +27,7 @@ The package, one screen (docs/design.md explains each part)::
       ring/                      the ring attention op: custom ops (with SDPA's autocast rule), loops,
                                  comm, plan, merge, faults
       kernels/                   block kernels: aten (CPU/CUDA), reference, triton (GPU)
+      recurrence/                recurrent kernels: the registration API, state passing's math
       tools/                     the cp-compile CLI: explain, dump, plan (nothing at run time)
       recipes/                   ring_cp inside training frameworks, imported on use: blocks
                                  (compile_blocks: each block compiled on its own, the sequence
@@ -38,9 +41,11 @@ from .sequence import positions, shard, unshard
 from .ring import doc_ids_from_cu_seqlens, doc_ids_from_position_ids, ring_attention
 from .step import context_parallel
 from .document_layout import layout_table
+from .recurrence import register_recurrence, unregister_recurrence
 
 __version__ = "0.1.0"
 
 __all__ = ["BackendOptions", "RingCP", "RingOptions", "context_parallel", "doc_ids_from_cu_seqlens",
-           "doc_ids_from_position_ids", "layout_table", "positions", "ring_attention", "shard", "unshard",
+           "doc_ids_from_position_ids", "layout_table", "positions", "register_recurrence", "ring_attention", "shard",
+           "unregister_recurrence", "unshard",
            "__version__"]

@@ -21,7 +21,7 @@ from cp_compile.group import CPGroup
 from cp_compile.options import BackendOptions, RewriteOptions
 from cp_compile.passes.context import RewriteContext
 from cp_compile.passes.dump import CODE_END, ENV
-from cp_compile.passes.pipeline import PASSES, has_attention
+from cp_compile.passes.pipeline import PASSES, has_mixers
 from cp_compile.tools.explain import explain_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +88,7 @@ def test_dump_stops_where_a_graph_without_attention_stops(tmp_path, monkeypatch)
     report = explain_model(NoAttention(), (torch.randn(2, S, D),), world_size=2)
     assert not report.rewritten
     _, files = _dumped(tmp_path)
-    assert files == _expected([p for p in PASSES if p.when is not has_attention])
+    assert files == _expected([p for p in PASSES if p.when is not has_mixers])
     assert files[-1].endswith("_analyze_find_unsplit_attention.py")
 
 

@@ -174,7 +174,7 @@ def rewrite_for_cp(gm: fx.GraphModule, example_inputs: List[Any], ctx: RewriteCo
     the analyses; ``gm`` is compiled unchanged). Shared by the backend and ``cp-compile explain``.
     """
     new_gm = run_pipeline(gm, example_inputs, ctx)
-    if not ctx.attention:
+    if not (ctx.attention or ctx.recurrences):
         ctx.record = record_graph(gm, None, ctx)
         return None
     ctx.record = record_graph(gm, new_gm, ctx)

@@ -55,12 +55,14 @@ class GraphRecord:
     masks: List[str] = field(default_factory=list)  # per ring op: its mask form and per-rank bytes (mask_forms)
     regions: List[str] = field(default_factory=list)  # checkpointed / nested compile regions opened (passes/regions)
     strategies: List[str] = field(default_factory=list)  # per ring op: its strategy and why (passes/finalize/strategy)
+    recurrences: List[str] = field(default_factory=list)  # per recurrent kernel call: how it was state-passed
+    recurrent_calls: int = 0  # registered recurrent kernel calls found (those not state-passed were gathered)
 
     @property
     def sharded_fraction(self) -> float:
         """The fraction f of the activation bytes held sharded, from local = (1 - f)·G + f·G/N
         (1.0: every intermediate holds 1/N of the tokens; 0.0: no context parallelism)."""
-        if not self.rings or not self.act_bytes_global or self.world_size < 2:
+        if not (self.rings or self.recurrences) or not self.act_bytes_global or self.world_size < 2:
             return 0.0
         f = (1.0 - self.act_bytes_local / self.act_bytes_global) / (1.0 - 1.0 / self.world_size)
         return min(1.0, max(0.0, f))
@@ -68,7 +70,7 @@ class GraphRecord:
     def summary(self) -> str:
         """One line: attention, where sharding starts, fallbacks and the sharded fraction."""
         regions = f"; {len(self.regions)} region(s) opened (checkpointed or nested)" if self.regions else ""
-        if not self.attention:
+        if not self.attention and not self.recurrent_calls:
             what = "no attention: compiled unchanged, every rank runs it whole"
             if self.unsplit:
                 what += f"; {len(self.unsplit)} attention(s) in a form ring_cp cannot split"
@@ -81,7 +83,11 @@ class GraphRecord:
         kinds = [k.split(":")[0] for k in self.strategies]
         if any(k != "ring" for k in kinds):
             unsplit += " (by strategy: " + ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) + ")"
-        return (f"{self.rings} of {len(self.attention)} attention(s) became ring attention{unsplit}; sharded from "
+        mixers = f"{self.rings} of {len(self.attention)} attention(s) became ring attention{unsplit}"
+        if self.recurrent_calls:
+            mixers = ((mixers + "; " if self.attention else "") +
+                      f"{len(self.recurrences)} of {self.recurrent_calls} recurrence(s) state-passed")
+        return (f"{mixers}; sharded from "
                 f"{', '.join(starts) or 'the attention inputs only'}; {len(self.fallbacks)} gather fallback(s); "
                 f"{self.sharded_fraction:.0%} of activation bytes held sharded{regions}")
 
@@ -101,6 +107,8 @@ def record_graph(before: fx.GraphModule, after: Optional[fx.GraphModule], ctx: R
     rec.masks = mask_forms(after)
     rec.strategies = [strategy_text(ring_call(n), ctx.group.size) for n in after.graph.nodes if n.op == "call_function"
                       and n.target is fwd]
+    rec.recurrences = [s.describe() for s in ctx.state_passed]
+    rec.recurrent_calls = len(ctx.recurrences)
     rec.act_bytes_local = activation_bytes(after, "val")
     if rec.act_bytes_local == 0:  # no per-rank fake values (repropagate could not run): unknown
         rec.act_bytes_local = rec.act_bytes_global
@@ -206,16 +214,16 @@ def warn_no_attention(gm: fx.GraphModule, example_inputs: List[object]) -> None:
 
 def _warn_if_low(rec: GraphRecord) -> None:
     """A WARNING when most of a rewritten graph's activation bytes stay whole on every rank."""
-    if rec.sharded_fraction >= LOW_SHARDED or not rec.attention:
+    if rec.sharded_fraction >= LOW_SHARDED or not (rec.attention or rec.recurrences):
         return
-    key = rec.attention[0][1]
+    key = rec.attention[0][1] if rec.attention else rec.recurrences[0]
     if key in _warned:
         return
     _warned.add(key)
     explicit = [m for m in rec.masks if "explicit" in m]
     why = (f"most of it is explicit attention-mask rows ({explicit[0]})" if explicit and not rec.fallbacks
            else "most of it runs on the whole sequence on every rank")
-    log.warning("cp_compile: the graph with attention at %s holds only %.0f%% of its activation bytes sharded "
+    log.warning("cp_compile: the graph with sequence mixers at %s holds only %.0f%% of its activation bytes sharded "
                 "(%d gather fallback(s)%s): %s. Fix: see the fallbacks' and masks' warnings, or run "
                 "`cp-compile explain` on the model.", key, 100 * rec.sharded_fraction,
                 len(rec.fallbacks), "; first: " + rec.fallbacks[0] if rec.fallbacks else "", why)

@@ -23,6 +23,7 @@ from .fx_utils import fake_value, global_shape, source_line  # noqa: F401 (re-ex
 
 if TYPE_CHECKING:
     from ..backend.record import GraphRecord
+    from ..recurrence.spec import StatePassed
     from .analyze.masks.classify import MaskKind
     from .normalize.regions import Region
 
@@ -39,6 +40,7 @@ class RewriteContext:
     seq_len: int = 0  # S, the attention sequence length (find_attention); its hint if symbolic
     seq_sym: Optional[torch.SymInt] = None  # the SymInt S under dynamic shapes, else None
     attention: List[fx.Node] = field(default_factory=list)
+    recurrences: List[fx.Node] = field(default_factory=list)  # registered recurrent kernels (find_recurrences)
     masks: Dict[fx.Node, MaskKind] = field(default_factory=dict)  # attention with a graph-built mask -> its kind
     shard_inputs: Dict[str, int] = field(default_factory=dict)  # placeholder name -> seq dim
     shard_nodes: Dict[str, int] = field(default_factory=dict)  # where the sequence arises (seq_origins) -> dim
@@ -51,6 +53,7 @@ class RewriteContext:
     fake_inputs: List[Any] = field(default_factory=list)  # the placeholders' fake values, in order
     unrewritten: Optional[fx.GraphModule] = None  # the graph rewrite_graph read, once it ran
     fallbacks: List[str] = field(default_factory=list)
+    state_passed: List[StatePassed] = field(default_factory=list)  # the recurrences as run (rules/recurrence.py)
     record: Optional[GraphRecord] = None  # the graph's record (the pass "record")
     local_outputs: List[int] = field(default_factory=list)  # outputs="local": flat positions of shard outputs
 

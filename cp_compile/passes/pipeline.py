@@ -15,8 +15,9 @@ passes whose entry takes other arguments (the example inputs) read them from ``c
 The phase says what a pass does: ``normalize`` rewrites the graph into a form the analyses read
 (or moves what the rewrite needs first), ``analyze`` records findings in ``ctx`` without changing
 the graph, ``propagate`` emits the per-rank graph, ``finalize`` completes it. A pass with
-``when=has_attention`` runs only on a graph with attention: on any other graph the pipeline ends
-after ``find_unsplit_attention`` and the backend compiles the graph unchanged.
+``when=has_mixers`` runs only on a graph with attention or a registered recurrent kernel: on any
+other graph the pipeline ends after ``find_unsplit_attention`` and the backend compiles the graph
+unchanged.
 
 ``CP_COMPILE_DUMP=DIR`` writes the graph after every pass that ran (:mod:`.dump`).
 """
@@ -30,6 +31,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 import torch.fx as fx
 
 from .analyze.find_attention import find_attention
+from .analyze.find_recurrences import find_recurrences
 from .analyze.seq_inputs import choose_seq_inputs, resolve_candidates
 from .analyze.seq_origins import choose_seq_origins
 from .analyze.unsplit import find_unsplit_attention
@@ -60,9 +62,10 @@ def always(ctx: RewriteContext) -> bool:
     return True
 
 
-def has_attention(ctx: RewriteContext) -> bool:
-    """A graph with attention the ring replaces (``find_attention`` found some)."""
-    return bool(ctx.attention)
+def has_mixers(ctx: RewriteContext) -> bool:
+    """A graph with a sequence mixer to split: attention the ring replaces (``find_attention``) or a
+    registered recurrent kernel (``find_recurrences``)."""
+    return bool(ctx.attention or ctx.recurrences)
 
 
 @dataclass(frozen=True)
@@ -133,19 +136,20 @@ PASSES: Tuple[Pass, ...] = (
     Pass("fuse_attention", "normalize", fuse_attention),
     Pass("distribute_mask_views", "normalize", distribute_mask_views),
     Pass("find_attention", "analyze", find_attention),
+    Pass("find_recurrences", "analyze", find_recurrences),
     Pass("drop_block_masks", "normalize", drop_block_masks),
     Pass("find_unsplit_attention", "analyze", find_unsplit_attention),
-    Pass("move_loss_slices", "normalize", move_loss_slices, has_attention),
-    Pass("fold_neighbour_reads", "normalize", fold_neighbour_reads, has_attention),
-    Pass("choose_seq_inputs", "analyze", _choose_seq_inputs, has_attention),
-    Pass("documents_first", "normalize", documents_first, has_attention),
-    Pass("resolve_candidates", "analyze", _resolve_candidates, has_attention),
-    Pass("open_patch_convs", "normalize", open_patch_convs, has_attention),
-    Pass("choose_seq_origins", "analyze", choose_seq_origins, has_attention),
-    Pass("rewrite_graph", "propagate", _rewrite, has_attention),
-    Pass("repropagate", "finalize", _repropagate, has_attention),
-    Pass("apply_strategy", "finalize", apply_strategy, has_attention),
-    Pass("set_ring_timeout", "finalize", set_ring_timeout, has_attention),
+    Pass("move_loss_slices", "normalize", move_loss_slices, has_mixers),
+    Pass("fold_neighbour_reads", "normalize", fold_neighbour_reads, has_mixers),
+    Pass("choose_seq_inputs", "analyze", _choose_seq_inputs, has_mixers),
+    Pass("documents_first", "normalize", documents_first, has_mixers),
+    Pass("resolve_candidates", "analyze", _resolve_candidates, has_mixers),
+    Pass("open_patch_convs", "normalize", open_patch_convs, has_mixers),
+    Pass("choose_seq_origins", "analyze", choose_seq_origins, has_mixers),
+    Pass("rewrite_graph", "propagate", _rewrite, has_mixers),
+    Pass("repropagate", "finalize", _repropagate, has_mixers),
+    Pass("apply_strategy", "finalize", apply_strategy, has_mixers),
+    Pass("set_ring_timeout", "finalize", set_ring_timeout, has_mixers),
 )
 
 

@@ -59,6 +59,21 @@ def _attention_lines(r: Report) -> List[str]:
     return lines
 
 
+def _recurrence_lines(r: Report) -> List[str]:
+    """Per registered recurrent kernel call: how it runs (the record's words: the runtime's too)."""
+    record = r.ctx.record
+    done = record.recurrences if record is not None else []
+    if not r.ctx.recurrences:
+        return []
+    lines = [f"recurrences: {len(r.ctx.recurrences)} registered kernel call(s), {len(done)} state-passed "
+             "(each rank runs its own runs of tokens from the state entering them)"]
+    lines += [f"  {d}" for d in done]
+    missing = len(r.ctx.recurrences) - len(done)
+    if missing > 0:
+        lines.append(f"  {missing} call(s) run on the gathered sequence instead (see fallbacks)")
+    return lines
+
+
 def format_explain(r: Report, target: str = "") -> str:
     """The ``explain`` summary: attention (each with the mask its ring op applies), sharded inputs,
     fallbacks, collectives per step and the activation-memory estimate."""
@@ -66,15 +81,17 @@ def format_explain(r: Report, target: str = "") -> str:
     head = f"cp-compile explain {target}".rstrip()
     lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank {ctx.group.rank} shown), "
                    f"load balance {_layout(r.load_balance)}"]
-    if not r.attention:
+    if not r.attention and not ctx.recurrences:
         lines.append("attention: none found. The ring_cp backend compiles this graph unchanged "
                      "(nothing is split by sequence).")
         lines += [f"  WARNING: attention that ring_cp cannot split, at {u}" for u in ctx.unsplit]
         return "\n".join(lines)
     lines.append(f"  sequence length S = {ctx.seq_len}; {ctx.local_len} positions per rank"
                  + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))
-    lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
-    lines += _attention_lines(r)
+    if r.attention:
+        lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
+        lines += _attention_lines(r)
+    lines += _recurrence_lines(r)
     lines += [f"  WARNING: attention that ring_cp cannot split (run on the gathered sequence), at {u}"
               for u in ctx.unsplit]
     lines.append("sharded inputs: " + (", ".join(f"{k} (dim {d})" for k, d in r.shard_inputs.items()) or

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..context import CPRewriteError, RewriteContext, global_shape, log
 from .find_attention import is_sdpa, qkv_args
+from .find_recurrences import mixer_inputs
 from .graph_inputs import input_kind, is_parameter_like, refuse_unknown, user_name  # noqa: F401 (re-exported)
 
 
@@ -77,8 +78,8 @@ def choose_seq_inputs(gm: fx.GraphModule, ctx: RewriteContext, examples: Dict[st
                             for k, dim in ctx.options.seq_inputs.items()}
         return gm
     flow = _dataflow(gm)
-    qkv = {n for a in ctx.attention for n in qkv_args(a)}
-    feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in qkv)) if qkv else set()
+    mixed = mixer_inputs(ctx)
+    feeds = set().union(*(nx.ancestors(flow, n) | {n} for n in mixed)) if mixed else set()
     for n in placeholders:
         shape = global_shape(n)
         reaches = n in feeds or ctx.options.inputs == "local"  # local: every per-token input is already a shard

@@ -28,7 +28,7 @@ import torch.fx as fx
 from typing import Set
 
 from ..context import RewriteContext, global_shape, log, source_line
-from .find_attention import qkv_args
+from .find_recurrences import mixer_inputs
 from .seq_inputs import _dataflow
 
 
@@ -38,10 +38,10 @@ def needs_origins(ctx: RewriteContext) -> bool:
 
 
 def qkv_feeds(gm: fx.GraphModule, ctx: RewriteContext) -> Set[fx.Node]:
-    """Every node some attention's q, k or v is computed from (q, k, v included)."""
+    """Every node some attention's q, k or v (or a recurrence's per-token argument) is computed from,
+    those included."""
     flow = _dataflow(gm)
-    qkv = {n for a in ctx.attention for n in qkv_args(a)}
-    return set().union(*(nx.ancestors(flow, n) | {n} for n in qkv))
+    return set().union(*(nx.ancestors(flow, n) | {n} for n in mixer_inputs(ctx)))
 
 
 def _origin_dim(node: fx.Node, seq_len: int):

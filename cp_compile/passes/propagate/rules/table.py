@@ -15,6 +15,8 @@ from . import (  # noqa: F401  (imported for their @register_rule)
     attention, autograd_fn, complex, einsum, fill, flex, getitem, halo, losses, order, pointwise, reductions, routing,
     scans, views, vmap,
 )
+from ...analyze.find_recurrences import is_recurrence
+from .recurrence import recurrence
 from .common import _flat_args, _key, _name
 from .registry import RULES, WINDOW_AWARE
 from .routing import involves_local, local_rule
@@ -31,6 +33,8 @@ def apply_rule(em: Emitter, node: fx.Node):
     if involves_local(em, node):
         return local_rule(em, node)
     rule = RULES.get(_key(node))
+    if rule is None and is_recurrence(node):
+        return recurrence(em, node)  # keyed by registration, not by the registry (cp_compile.register_recurrence)
     if rule is None:
         decided = decide(em, node)  # no hand rule: ask the op's ATen decomposition before gathering
         if decided is not None:

@@ -1,0 +1,76 @@
+"""Find every call of a registered recurrent kernel (:func:`cp_compile.register_recurrence`).
+
+Before: a Dynamo graph, ``ctx.attention`` and ``ctx.seq_len`` found (:mod:`.find_attention`).
+After: the same graph; ``ctx.recurrences`` lists the kernel calls. A graph with no attention takes
+its sequence length S from them (their declared sequence dims must agree); a graph with both must
+have the recurrences run along the attention's sequence. :func:`mixer_inputs` is what the analyses
+of where the sequence enters (:mod:`.seq_inputs`, :mod:`.seq_origins`) trace back from: attention's
+q/k/v and the recurrences' per-token arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Set
+
+import torch
+import torch.fx as fx
+
+from ...recurrence import recurrence_spec
+from ..context import CPRewriteError, RewriteContext, global_shape, log, source_line
+from ..op_vocab import arguments
+from .find_attention import qkv_args
+
+
+def is_recurrence(node: fx.Node) -> bool:
+    """Whether ``node`` calls a kernel registered with :func:`cp_compile.register_recurrence`."""
+    return node.op == "call_function" and recurrence_spec(node.target) is not None
+
+
+def sequence_args(node: fx.Node) -> dict:
+    """A recurrence node's per-token graph arguments: node -> its declared sequence dim."""
+    spec = recurrence_spec(node.target)
+    a = arguments(node, spec.parameters())
+    return {a[name]: dim for name, dim in spec.seq_args.items() if isinstance(a.get(name), fx.Node)}
+
+
+def mixer_inputs(ctx: RewriteContext) -> Set[fx.Node]:
+    """The nodes the sequence mixers read per token: attention's q/k/v, the recurrences' seq args."""
+    nodes = {n for a in ctx.attention for n in qkv_args(a)}
+    return nodes | {x for r in ctx.recurrences for x in sequence_args(r)}
+
+
+def _length(node: fx.Node) -> int:
+    """The one sequence length of a recurrence node's per-token arguments."""
+    lens = set()
+    for x, dim in sequence_args(node).items():
+        shape = global_shape(x)
+        seq = x.meta["example_value"].shape[dim]
+        if isinstance(seq, torch.SymInt):
+            raise CPRewriteError(
+                f"cp_compile: recurrent kernel {recurrence_spec(node.target).name} at {source_line(node)} runs on a "
+                "symbolic sequence length; state passing needs a fixed one. Fix: torch.compile(..., dynamic=False).")
+        lens.add(shape[dim])
+    if len(lens) != 1:
+        raise CPRewriteError(
+            f"cp_compile: recurrent kernel {recurrence_spec(node.target).name} at {source_line(node)} takes per-token "
+            f"arguments of lengths {sorted(lens)} along their declared sequence dims. Fix: check seq_args= of its "
+            "register_recurrence call (parameter name -> the dim along which the tokens run).")
+    return lens.pop()
+
+
+def find_recurrences(gm: fx.GraphModule, ctx: RewriteContext) -> None:
+    """Fill ``ctx.recurrences`` (and ``ctx.seq_len`` when the graph has no attention)."""
+    ctx.recurrences = [n for n in gm.graph.nodes if is_recurrence(n)]
+    lens = {n: _length(n) for n in ctx.recurrences}
+    if not ctx.attention and lens:
+        ctx.seq_len = max(lens.values())
+    other = {n.name: s for n, s in lens.items() if s != ctx.seq_len}
+    if other:
+        raise CPRewriteError(
+            f"cp_compile: recurrent kernels {sorted(other)} run along lengths {sorted(set(other.values()))}, not the "
+            f"sequence's {ctx.seq_len}. Fix: compile models whose sequence mixers share one sequence.")
+    if ctx.recurrences:
+        log.info("cp_compile: %d recurrent kernel call(s), sequence length %d", len(ctx.recurrences), ctx.seq_len)
+
+
+__all__ = ["find_recurrences", "is_recurrence", "mixer_inputs", "sequence_args"]

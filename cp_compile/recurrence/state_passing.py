@@ -1,0 +1,104 @@
+"""State passing: the state entering each of this rank's runs, from every run's O(state) summary.
+
+A run of consecutive tokens of a linear recurrence ``h_t = A_t h_{t-1} + b_t`` is one affine map of
+the state, ``h_out = M ∘ h_in + c`` (``∘``: elementwise ``*`` for a diagonal/scalar ``A``, ``@`` on
+dim -2 for a matrix one). Each rank computes ``(M_j, c_j)`` of its own runs from a zero state (its
+local work, all ranks at once); one all-gather exchanges them; every rank then composes them in
+*global* order (zig-zag runs are not contiguous on a rank), which is a loop over the N·k runs of
+state-sized ops:
+
+    maps (k, *M), finals (k, *h) ── pack, gather_stack ──> (N, k, |M| + |h|)   one collective
+    h = h0
+    for (r, j) in global order:           # run (r, j): rank r's j-th run
+        incoming[r, j] = h
+        h = M[r, j] ∘ h + c[r, j]
+    -> (this rank's incoming states..., h: the state leaving the sequence)
+
+Gradients are autograd's: through the composition and ``gather_stack`` (a reduce-scatter backward),
+so each rank's summaries get the sum of every rank's share (the contract of :mod:`cp_compile.graph_ops`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from ..graph_ops import gather_stack
+
+Tensor = torch.Tensor
+
+
+def apply_map(kind: str, m: Tensor, h: Tensor, c: Tensor) -> Tensor:
+    """``m ∘ h + c``: elementwise (m shaped like h) or a (..., K, K) matrix on dim -2 of h (..., K, V)."""
+    return m * h + c if kind == "elementwise" else torch.matmul(m, h) + c
+
+
+def incoming_states(maps: Tensor, finals: Tensor, h0: Tensor, world: int, group_name: str,
+                    order: Sequence[Tuple[int, int]], rank: int, kind: str) -> Tuple[Tensor, ...]:
+    """This rank's k incoming states and the final state (see the module docstring).
+
+    maps: (k, *M) this rank's run maps; finals: (k, *h) its runs' states from a zero state;
+    h0: the state entering the sequence (broadcastable to h); order: (rank, run) of every run in
+    global order. Returns k + 1 tensors shaped like h."""
+    k, state = finals.shape[0], finals.shape[1:]
+    width = maps[0].numel()
+    packed = torch.cat([maps.reshape(k, -1), finals.reshape(k, -1).to(maps.dtype)], 1)  # (k, |M| + |h|)
+    stacked = gather_stack(packed, world, group_name)  # (N, k, |M| + |h|), the same on every rank
+    h = h0.to(finals.dtype).expand(state)
+    incoming: List[Tensor] = [h] * k
+    for r, j in order:
+        if r == rank:
+            incoming[j] = h
+        m = stacked[r, j, :width].view(maps.shape[1:])
+        c = stacked[r, j, width:].view(state)
+        h = apply_map(kind, m, h, c)
+    return (*incoming, h)
+
+
+@torch.library.custom_op("cp_compile::keep_alive", mutates_args=())
+def keep_alive(x: Tensor, anchor: Tensor) -> Tensor:
+    """``x`` (a copy), computed after ``anchor``: an op no dead-code pass sees through, so the
+    collectives that produce ``anchor`` run on every rank even where nothing else reads it (the
+    serial relay's last all-reduces, whose result only later ranks use). Backward: ``x``'s
+    gradient passes, ``anchor`` gets zeros computed from that gradient, so the backward of those
+    collectives runs too, and in the backward graph: zeros that did not depend on the gradient
+    would let AOTAutograd's partitioner move the first few of those all-reduces into the forward
+    graph, a different number on each rank (a collective mismatch)."""
+    return x.clone()
+
+
+@keep_alive.register_fake
+def _keep_alive_fake(x: Tensor, anchor: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _keep_alive_context(ctx, inputs, output) -> None:
+    anchor = inputs[1]
+    ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+
+
+def _keep_alive_backward(ctx, grad: Tensor):
+    shape, dtype, device = ctx.anchor
+    zero = grad.reshape(-1)[:1].mul(0).to(dtype=dtype, device=device)  # (1,), depends on the gradient
+    return grad, zero.reshape((1,) * len(shape)).expand(shape).contiguous()
+
+
+keep_alive.register_autograd(_keep_alive_backward, setup_context=_keep_alive_context)
+
+
+def summary_bytes(maps_shape: Sequence[int], state_shape: Sequence[int], runs: int, world: int,
+                  itemsize: int) -> int:
+    """Bytes every rank receives in the one all-gather of a state-passed recurrence: N·k summaries."""
+    per_run = _numel(maps_shape) + _numel(state_shape)
+    return world * runs * per_run * itemsize
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+__all__ = ["apply_map", "incoming_states", "keep_alive", "summary_bytes"]
