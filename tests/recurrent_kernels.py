@@ -85,13 +85,14 @@ CONTRACTS = {
 
 
 @contextlib.contextmanager
-def registered(*names: str) -> Iterator[None]:
-    """The named stand-ins registered for the block, then forgotten (tests stay order-independent)."""
+def registered(*names: str) -> Iterator[list]:
+    """The named stand-ins registered for the block (yields their specs), then forgotten (tests stay
+    order-independent)."""
     import cp_compile
 
     specs = [cp_compile.register_recurrence(**CONTRACTS[n]) for n in names]
     try:
-        yield
+        yield specs
     finally:
         for spec in specs:
             cp_compile.unregister_recurrence(spec.target)

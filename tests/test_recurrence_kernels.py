@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checks import grad_errors, loss_through_ring_cp, rel, twin_models
-from recurrent_kernels import CONTRACTS, delta_rule, gla, registered, ssd, tanh_rnn
+from recurrent_kernels import delta_rule, gla, registered, ssd, tanh_rnn
 
 E, H, D = 8, 2, 4
 TOL = 1e-5
@@ -65,18 +65,18 @@ class Mixer(nn.Module):
 
 
 def _compare(kind: str, attention: bool, with_h0: bool, seq: int, load_balance: str, dtype=torch.float64) -> dict:
-    with registered(kind):
+    with registered(kind) as (spec,):
         ref_model, cp_model = twin_models(lambda: Mixer(kind, attention, with_h0).to(dtype))
         x = torch.randn(2, seq, E, generator=torch.Generator().manual_seed(1), dtype=dtype)
         ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,), attention=attention,
                                                  load_balance=load_balance)
     return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
             "fallbacks": backend.fallbacks, "recurrences": [r.recurrences for r in backend.records],
-            "calls": kernel_runs(backend, CONTRACTS[kind]["target"]), "gathers": gathers(backend)}
+            "calls": kernel_runs(backend, spec.target), "gathers": gathers(backend)}
 
 
 def kernel_runs(backend, kernel) -> list:
-    """The token count each call of ``kernel`` in the rewritten graphs is given: the length of the
+    """The token count each call of ``kernel`` (its graph function) in the rewritten graphs is given: the length of the
     ``narrow`` its first sequence argument comes from, or None where it is given anything else."""
     runs = []
     for gm in backend.graphs:

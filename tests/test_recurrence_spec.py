@@ -73,6 +73,7 @@ def test_padding_tokens_of_value_zero_are_the_identity_step() -> None:
     ({"seq_args": {"q": 1, "x": 1}}, "not parameters of the kernel"),
     ({"initial_state": "h"}, "not parameters of the kernel"),
     ({"final_state_flag": "return_state"}, "not parameters of the kernel"),
+    ({"when": {"reverse": False}}, "not parameters of the kernel"),
     ({"drive": ()}, "needs drive="),
     ({"drive": ("initial_state",)}, "not in seq_args"),
     ({"outputs": {}}, "at least one per-token tensor"),

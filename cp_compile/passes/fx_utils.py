@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
 from typing import Any, Iterable, Optional, Tuple
 
@@ -22,13 +23,18 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as hint_int
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../cp_compile
+
+
 def source_line(node: fx.Node) -> str:
-    """``file:line: code`` of the model source that produced ``node`` (innermost frame), if known."""
+    """``file:line: code`` of the model source that produced ``node`` (the innermost frame outside
+    cp_compile: a registered kernel's call passes through cp_compile.recurrence.opaque), if known."""
     lines = [ln.rstrip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
     frame_idx = [i for i, ln in enumerate(lines) if ln.strip().startswith("File ")]
     if not frame_idx:
         return "<unknown source>"
-    i = frame_idx[-1]
+    outside = [i for i in frame_idx if f'"{_PACKAGE}{os.sep}' not in lines[i]]
+    i = (outside or frame_idx)[-1]
     m = re.match(r'\s*File "([^"]+)", line (\d+)', lines[i])
     where = f"{m.group(1)}:{m.group(2)}" if m else lines[i].strip()
     code = next((ln.strip() for ln in lines[i + 1:] if set(ln.strip()) - set("^~ ")), "")

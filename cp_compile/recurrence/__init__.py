@@ -16,18 +16,21 @@ the tokens per rank, never the sequence gathered.
         transition="elementwise", drive=("v",))
     model = torch.compile(model, backend="ring_cp")   # the model calls chunk_gla unchanged
 
-Registration lets Dynamo keep the kernel as one node of the graph (``torch._dynamo.allow_in_graph``
-for a Python function; a ``torch.ops`` overload is one already). docs/api.md lists the fields and
-how to choose ``transition``; :mod:`.spec` defines them; :mod:`.state_passing` is the math.
+Registration keeps the kernel as one node of the graph: a Python function becomes an opaque op run
+for real, never traced (:mod:`.opaque`; its shapes from ``fake=``), a ``torch.ops`` overload is one
+already. docs/api.md lists the fields and how to choose ``transition``; :mod:`.spec` defines them;
+:mod:`.state_passing` is the math.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 
+from .opaque import _GRAPH_FNS, graph_function
 from .spec import SPECS, TRANSITIONS, RecurrenceSpec, Transition, recurrence_spec
 
 log = logging.getLogger(__name__)
@@ -36,25 +39,35 @@ log = logging.getLogger(__name__)
 def register_recurrence(target: Callable, *, seq_args: Mapping[str, int], outputs: Mapping[int, int],
                         initial_state: str, final_state: int, final_state_flag: Optional[str] = None,
                         transition: Transition = "elementwise", drive: Tuple[str, ...] = (),
-                        pad_values: Optional[Mapping[str, float]] = None) -> RecurrenceSpec:
+                        pad_values: Optional[Mapping[str, float]] = None, when: Optional[Mapping[str, Any]] = None,
+                        fake: Optional[Callable] = None) -> RecurrenceSpec:
     """Declare ``target``'s state-passing contract (fields: :class:`RecurrenceSpec`); return the spec.
 
+    A Python function is kept whole in the compiled graphs as one opaque op, run for real and never
+    traced (:mod:`.opaque`): ``fake``, a function of the same arguments returning tensors of the
+    result's shapes and dtypes, gives its shapes (default: ``target`` itself, which serves a kernel
+    written in torch ops; a Triton or CUDA kernel needs one). A ``torch.ops`` overload is used as is.
     Registering the same target again replaces its contract. Call it before ``torch.compile`` traces
-    the model (Dynamo decides at trace time to keep the kernel as one node)."""
+    the model (Dynamo decides at trace time how to treat the kernel)."""
+    if fake is not None and not callable(fake):
+        raise TypeError(f"cp_compile.register_recurrence: fake= must be a function of the kernel's arguments, "
+                        f"got {type(fake).__name__}")
+    opaque = not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
     spec = RecurrenceSpec(target=target, seq_args=dict(seq_args), outputs=dict(outputs), initial_state=initial_state,
                           final_state=final_state, final_state_flag=final_state_flag, transition=transition,
-                          drive=tuple(drive), pad_values=dict(pad_values or {}))
-    if not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        torch._dynamo.allow_in_graph(target)
-    SPECS[target] = spec
+                          drive=tuple(drive), pad_values=dict(pad_values or {}),
+                          when=dict(when or {}))  # checked against the kernel's own signature
+    if opaque:
+        spec = dataclasses.replace(spec, target=graph_function(target, fake))
+    SPECS[spec.target] = spec
     log.info("cp_compile: %s registered as a recurrence (%s transition)", spec.name, transition)
     return spec
 
 
 def unregister_recurrence(target: Any) -> None:
-    """Forget ``target``'s contract (ring_cp then treats it as any other op); Dynamo's own
-    ``allow_in_graph`` mark is left as it is."""
-    SPECS.pop(target, None)
+    """Forget ``target``'s contract: ring_cp then treats its calls as any other op's. A Python kernel
+    stays one opaque op of the graphs (Dynamo's substitution cannot be undone; numbers unchanged)."""
+    SPECS.pop(_GRAPH_FNS.get(target, target), None)
 
 
 __all__ = ["RecurrenceSpec", "TRANSITIONS", "register_recurrence", "recurrence_spec", "unregister_recurrence"]

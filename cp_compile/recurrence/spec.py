@@ -50,6 +50,8 @@ class RecurrenceSpec:
             (``"elementwise"`` and ``"matrix"`` need at least one; none may be used by ``A_t``).
         pad_values: per sequence argument, the value of a padding token that makes its step the
             identity (``A_t = I``, ``b_t = 0``); 0.0 for any argument not named (log-space gates, dt, k, v).
+        when: arguments the contract holds for only with these values (``{"reverse": False,
+            "cu_seqlens": None}``); a call with any other value is run on the gathered sequence, warned.
     """
 
     target: Callable
@@ -61,6 +63,7 @@ class RecurrenceSpec:
     transition: Transition = "elementwise"
     drive: Tuple[str, ...] = ()
     pad_values: Mapping[str, float] = field(default_factory=dict)
+    when: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -91,7 +94,7 @@ def _check(spec: RecurrenceSpec) -> None:
     except (TypeError, ValueError):
         params = None  # a builtin without a signature: the names are checked at the first call
     named = {"seq_args": tuple(spec.seq_args), "initial_state": (spec.initial_state,), "drive": spec.drive,
-             "pad_values": tuple(spec.pad_values),
+             "pad_values": tuple(spec.pad_values), "when": tuple(spec.when),
              "final_state_flag": (spec.final_state_flag,) if spec.final_state_flag else ()}
     for what, names in named.items():
         missing = [n for n in names if params is not None and n not in params]
@@ -142,8 +145,10 @@ SPECS: Dict[Any, RecurrenceSpec] = {}
 
 
 def recurrence_spec(target: Any) -> Optional[RecurrenceSpec]:
-    """The registered contract of ``target`` (a graph node's target), or None."""
+    """The registered contract of ``target`` (a graph node's target, or the kernel registered), or None."""
+    from .opaque import _GRAPH_FNS
+
     try:
-        return SPECS.get(target)
+        return SPECS.get(target) or SPECS.get(_GRAPH_FNS.get(target))
     except TypeError:  # an unhashable target
         return None

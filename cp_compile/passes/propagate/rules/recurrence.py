@@ -25,6 +25,7 @@ one declared, a sharded ``initial_state``, an output the contract does not decla
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from typing import Any, Dict, List, Optional, Tuple
@@ -71,12 +72,37 @@ def recurrence(em: Emitter, node: fx.Node):
 
 def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
     """Why the kernel cannot be state-passed here, or None."""
+    why = _outside_contract(spec, a) or _no_runs(em) or _misplaced_argument(em, spec, a)
+    if why is not None:
+        return why
+    if spec.transition == "serial" and _padded(em) and _reads_final_state(node, spec):
+        return (f"the sequence's {em.ctx.seq_len} tokens are padded to {_padded(em)}, and a serial "
+                "kernel has no identity step to pad with, so its final state would be wrong (fix: a length "
+                f"that is a multiple of {em.ctx.world * em.index.chunks()[0].shape[1]}, or declare transition= "
+                "and pad_values=)")
+    if isinstance(em.layout(a.get(spec.initial_state)), Sharded):
+        return f"its {spec.initial_state!r} is split by sequence"
+    result = fake_value(node)
+    extra = [i for i, v in enumerate(result) if v is not None and i not in spec.outputs and i != spec.final_state] \
+        if isinstance(result, (tuple, list)) else []
+    if extra:
+        return f"it returns outputs {extra} that the contract does not declare (outputs=, final_state=)"
+    return None
+
+
+def _no_runs(em: Emitter) -> Optional[str]:
+    """Why this layout gives no fixed runs of tokens to pass a state between, or None."""
     chunks = em.index.chunks()
     if chunks is None:
         return (f"load_balance={em.ctx.options.load_balance!r} on {em.ctx.world} ranks holds no contiguous runs of "
                 "tokens (fix: load_balance='zigzag' or 'contiguous')")
     if not isinstance(chunks[1], int):
         return "the sequence length is symbolic (fix: dynamic=False, or pad to a fixed length)"
+    return None
+
+
+def _misplaced_argument(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
+    """Why a per-token argument does not run along the sequence as declared, or None."""
     for name, dim in spec.seq_args.items():
         x = a.get(name)
         if not isinstance(x, fx.Node):
@@ -89,19 +115,26 @@ def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]
         if isinstance(lay, Sharded) and (lay.dim != d or lay.inner != 1 or lay.window is not None):
             return (f"argument {name!r} is split along dim {lay.dim} (inner {lay.inner}), the kernel's sequence dim "
                     f"is {d} (fix: declare seq_args={{{name!r}: {lay.dim}}} if that is its sequence dim)")
-    if spec.transition == "serial" and _padded(em) and _reads_final_state(node, spec):
-        return (f"the sequence's {em.ctx.seq_len} tokens are padded to {_padded(em)}, and a serial "
-                "kernel has no identity step to pad with, so its final state would be wrong (fix: a length "
-                f"that is a multiple of {em.ctx.world * chunks[0].shape[1]}, or declare transition= and "
-                "pad_values=)")
-    if isinstance(em.layout(a.get(spec.initial_state)), Sharded):
-        return f"its {spec.initial_state!r} is split by sequence"
-    result = fake_value(node)
-    extra = [i for i, v in enumerate(result) if v is not None and i not in spec.outputs and i != spec.final_state] \
-        if isinstance(result, (tuple, list)) else []
-    if extra:
-        return f"it returns outputs {extra} that the contract does not declare (outputs=, final_state=)"
     return None
+
+
+def _outside_contract(spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
+    """Why this call's arguments are outside the values the contract holds for (``when=``), or None."""
+    for name, want in spec.when.items():
+        given = a.get(name, _default(spec, name))
+        if isinstance(given, fx.Node) or given != want:
+            shown = "a tensor" if isinstance(given, fx.Node) else repr(given)
+            return f"its {name}={shown}, and the contract holds for {name}={want!r} only (when= of its registration)"
+    return None
+
+
+def _default(spec: RecurrenceSpec, name: str) -> Any:
+    """The kernel's default for parameter ``name`` (None when it has none or no signature)."""
+    try:
+        p = inspect.signature(spec.target).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    return None if p is None or p.default is inspect.Parameter.empty else p.default
 
 
 def _padded(em: Emitter) -> int:
