@@ -9,7 +9,7 @@ sequence-classification class (``examples/hf_configs.py``: the model built from 
 shrunken default config, the same random batch on every rank), each rank runs the eager
 model on the whole sequence and the copy compiled with ``ring_cp``, and the architecture
 is classified (``examples/hf_architectures.py``, exact by ``examples/_exact.py`` with the
-fp64 truth): ring, ring + gathers, no CP (warned), refused, wrong, silent, crash; or
+fp64 truth): ring, ring + gathers, sharded (+ gathers), no CP (warned), refused, wrong, silent, crash; or
 skipped as not built / reference failed / compile fails without ring_cp.
 
 The driver survives crashes, hangs and segfaults of single architectures: it starts
@@ -271,6 +271,8 @@ def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespac
         "than twice the fp32 one-process run (a cancelling or ill-conditioned gradient, where the fp32 "
         "reference's own rounding error exceeds 1e-5).", "",
         "**ring**: exact, every attention the ring, no gather. **ring + gathers**: exact, every gather warned. "
+        "**sharded** (**+ gathers**): a model with no attention, exact, its recurrences split by sequence "
+        "(state passing, scans from run totals: docs/design.md §16), no gather (every gather warned). "
         "**no CP, warned**: fewer ring ops than the attention calls the eager run made (`_exact.AttentionCount`: "
         "fused attention kernels, softmax over square scores; or no attention at all), with a WARNING about "
         "attention or the whole sequence: the message is that WARNING (whole in the JSON record's "

@@ -105,13 +105,18 @@ class AttentionCount(TorchDispatchMode):
     a fused attention kernel (SDPA's, nn.MultiheadAttention's fast path) or a softmax over a
     square (query x key) score tensor (attention written by hand, or SDPA's math path). Run the
     reference forward inside ``with AttentionCount() as count:``; ``count.calls`` is then what
-    :func:`ring_mismatches` expects. (Not for flex_attention, which compiles itself eagerly.)"""
+    :func:`ring_mismatches` expects. (Not for flex_attention, which compiles itself eagerly; a
+    higher-order op such as ``associative_scan`` runs outside the count: its body has no attention.)"""
+
+    supports_higher_order_operators = True
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):  # run under no mode (its handler's state)
+            return func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if "backward" not in name and (any(k in name for k in _FUSED_ATTENTION) or
                                        (name in _SOFTMAX and _square_over(args[0], args[1]))):

@@ -31,8 +31,9 @@ from torch import Tensor
 from _exact import TOL, ZERO_CEILING, AttentionCount, cp_compile_warnings, grad_errors, rel
 from hf_configs import architecture, architectures, build_model, make_batch  # noqa: F401 - the sweep's entry points
 
-OUTCOMES = ("ring", "ring + gathers", "no CP, warned", "refused", "wrong", "silent", "crash")
-# Counted apart from the seven outcomes: the step fails without ring_cp (the model cannot be built,
+OUTCOMES = ("ring", "ring + gathers", "sharded", "sharded + gathers", "no CP, warned", "refused", "wrong", "silent",
+            "crash")
+# Counted apart from the nine outcomes: the step fails without ring_cp (the model cannot be built,
 # its one-process eager step fails, or compiling it fails without ring_cp as with it).
 SKIPPED = ("not built", "reference failed", "compile fails without ring_cp")
 ZERO_EXACT = 1e-10  # fp64 gradient norm <= this x the whole fp64 gradient norm: zero in exact arithmetic
@@ -179,6 +180,7 @@ def _cp_run(model: nn.Module, inputs: Dict[str, Tensor], seed: int) -> Dict[str,
             error = describe_error(e)
     return {"cp_loss": loss, "cp_error": error, "warnings": list(warnings),
             "ring_ops": sum(rec.rings for rec in backend.records), "gathers": list(backend.fallbacks),
+            "recurrences": sum(len(rec.recurrences) for rec in backend.records),
             "unsplit": [u for rec in backend.records for u in rec.unsplit], "graphs": len(backend.records)}
 
 
@@ -237,6 +239,7 @@ def merge_ranks(results: List[Dict[str, Any]]) -> Dict[str, Any]:
     for key in ("warnings", "gathers", "unsplit"):
         merged[key] = list(dict.fromkeys(x for r in results for x in r[key]))
     merged["ring_ops"] = min(r["ring_ops"] for r in results)
+    merged["recurrences"] = min(r.get("recurrences", 0) for r in results)
     return merged
 
 
@@ -258,8 +261,10 @@ def classify(result: Dict[str, Any]) -> Tuple[str, str]:
     :func:`_exact.grad_errors`), "silent" (fewer ring ops than attention calls counted, or a gather,
     with no cp_compile WARNING saying so), "no CP, warned" (the WARNING: :func:`no_cp_warning`),
     "ring + gathers" (every gather warned), "ring". A model with no attention at all (0 counted, 0
-    ring ops) gets no context parallelism: "no CP, warned" or "silent" by the same WARNING rule. The
-    message: the error, else the deciding or first WARNING, else what is wrong or unwarned."""
+    ring ops) whose recurrences were split by sequence (state passing, scans from run totals) is
+    "sharded" ("sharded + gathers" with warned gathers); with none, it gets no context parallelism:
+    "no CP, warned" or "silent" by the same WARNING rule. The message: the error, else the deciding or
+    first WARNING, else what is wrong or unwarned."""
     if result["status"] != "ran":
         return result["status"], result["error"]
     if result.get("cp_error"):
@@ -275,6 +280,8 @@ def classify(result: Dict[str, Any]) -> Tuple[str, str]:
     unwarned = [g for g in gathers if not any(g in w for w in warnings)]
     if unwarned:
         return "silent", f"gather without a WARNING: {unwarned[0]}"
+    if result["ring_ops"] == result["attentions"] == 0 and result.get("recurrences"):
+        return ("sharded + gathers" if gathers else "sharded"), first
     if no_cp(result):
         said = no_cp_warning(result)
         if said is None:

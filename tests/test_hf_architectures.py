@@ -175,6 +175,10 @@ _UNSPLIT = "cp_compile: attention that ring_cp cannot split, at m.py:9"
     (_ran(ring_ops=0, warnings=[_UNSPLIT]), "no CP, warned"),
     (_ran(ring_ops=1), "silent"),
     (_ran(ring_ops=0, attentions=0), "silent"),  # no attention at all, and no WARNING
+    (_ran(ring_ops=0, attentions=0, recurrences=2), "sharded"),  # no attention; its recurrences split
+    (_ran(ring_ops=0, attentions=0, recurrences=1, gathers=["cp_compile: sort at m.py:4"],
+          warnings=["cp_compile: sort at m.py:4; gathering"]), "sharded + gathers"),
+    (_ran(ring_ops=0, attentions=0, recurrences=1, gathers=["cp_compile: sort at m.py:4"]), "silent"),
     (_ran(grad_errors={"w": 2e-5}), "wrong"),
     (_ran(grad_errors={"w": math.inf}), "wrong"),  # a gradient on one side only
     (_ran(loss_error=math.nan), "wrong"),

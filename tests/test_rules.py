@@ -116,7 +116,8 @@ def test_rows_cover_every_rule_module() -> None:
     modules = {fn.__module__.rsplit(".", 1)[1] for fn in RULES.values()}
     covered: Tuple[str, ...] = tuple(row[1] for row in ROWS.values())
     uncovered = modules - set(covered)
-    assert uncovered <= {"attention", "losses", "flex", "routing", "fill", "autograd_fn", "vmap", "order"}, uncovered
+    assert uncovered <= {"attention", "losses", "flex", "routing", "fill", "autograd_fn", "vmap", "order",
+                             "assoc_scan"}, uncovered
 
 
 class _TanhGelu(torch.autograd.Function):
@@ -281,6 +282,7 @@ _NOT_SWEPT = {  # rule key name -> why it has no sample here, and where it is te
     "autograd_function_apply": "needs forward / backward subgraphs (test_custom_autograd_function above)",
     "_add_batch_dim": "needs a functorch vmap level (tests/test_dead_code.py)",
     "_remove_batch_dim": "needs a functorch vmap level (tests/test_dead_code.py)",
+    "scan_leaves": "needs a combine submodule and a process group (tests/test_recurrence_scan.py)",
 }
 
 

@@ -135,8 +135,9 @@ class StatePassed:
 
     def describe(self) -> str:
         """One line for explain."""
-        how = "state passed rank to rank (serial)" if self.transition == "serial" else \
-            f"state passing, {self.transition} maps, one all-gather"
+        how = {"serial": "state passed rank to rank (serial)",
+               "scan": "run totals combined in global order, one all-gather"}.get(
+            self.transition, f"state passing, {self.transition} maps, one all-gather")
         return (f"{self.kernel} at {self.where}: {how}; state {tuple(self.state)}, {self.runs} run(s) per rank, "
                 f"{self.bytes} B received per rank")
 

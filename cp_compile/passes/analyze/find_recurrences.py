@@ -1,4 +1,5 @@
-"""Find every call of a registered recurrent kernel (:func:`cp_compile.register_recurrence`).
+"""Find every call of a registered recurrent kernel (:func:`cp_compile.register_recurrence`) and
+every ``associative_scan`` (one node since :mod:`..normalize.assoc_scan`).
 
 Before: a Dynamo graph, ``ctx.attention`` and ``ctx.seq_len`` found (:mod:`.find_attention`).
 After: the same graph; ``ctx.recurrences`` lists the kernel calls. A graph with no attention takes
@@ -16,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ...recurrence import recurrence_spec
+from ...recurrence.scan import scan_leaves
 from ..context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from ..op_vocab import arguments
 from .find_attention import qkv_args
@@ -26,8 +28,20 @@ def is_recurrence(node: fx.Node) -> bool:
     return node.op == "call_function" and recurrence_spec(node.target) is not None
 
 
+def is_scan(node: fx.Node) -> bool:
+    """Whether ``node`` is an ``associative_scan`` (:mod:`..normalize.assoc_scan` made it one node)."""
+    return node.op == "call_function" and node.target is scan_leaves
+
+
+def _name(node: fx.Node) -> str:
+    return "associative_scan" if is_scan(node) else recurrence_spec(node.target).name
+
+
 def sequence_args(node: fx.Node) -> dict:
-    """A recurrence node's per-token graph arguments: node -> its declared sequence dim."""
+    """A recurrence node's per-token graph arguments: node -> its declared sequence dim (a scan's
+    leaves: dim 0)."""
+    if is_scan(node):
+        return {x: 0 for x in node.args[1]}
     spec = recurrence_spec(node.target)
     a = arguments(node, spec.parameters())
     return {a[name]: dim for name, dim in spec.seq_args.items() if isinstance(a.get(name), fx.Node)}
@@ -47,30 +61,32 @@ def _length(node: fx.Node) -> int:
         seq = x.meta["example_value"].shape[dim]
         if isinstance(seq, torch.SymInt):
             raise CPRewriteError(
-                f"cp_compile: recurrent kernel {recurrence_spec(node.target).name} at {source_line(node)} runs on a "
+                f"cp_compile: recurrent kernel {_name(node)} at {source_line(node)} runs on a "
                 "symbolic sequence length; state passing needs a fixed one. Fix: torch.compile(..., dynamic=False).")
         lens.add(shape[dim])
     if len(lens) != 1:
         raise CPRewriteError(
-            f"cp_compile: recurrent kernel {recurrence_spec(node.target).name} at {source_line(node)} takes per-token "
+            f"cp_compile: recurrent kernel {_name(node)} at {source_line(node)} takes per-token "
             f"arguments of lengths {sorted(lens)} along their declared sequence dims. Fix: check seq_args= of its "
             "register_recurrence call (parameter name -> the dim along which the tokens run).")
     return lens.pop()
 
 
 def find_recurrences(gm: fx.GraphModule, ctx: RewriteContext) -> None:
-    """Fill ``ctx.recurrences`` (and ``ctx.seq_len`` when the graph has no attention)."""
-    ctx.recurrences = [n for n in gm.graph.nodes if is_recurrence(n)]
-    lens = {n: _length(n) for n in ctx.recurrences}
+    """Fill ``ctx.recurrences`` (and ``ctx.seq_len`` when the graph has no attention). A scan along
+    another length than the sequence's (its features) is per token, not a recurrence over the tokens."""
+    found = [n for n in gm.graph.nodes if is_recurrence(n) or is_scan(n)]
+    lens = {n: _length(n) for n in found}
     if not ctx.attention and lens:
         ctx.seq_len = max(lens.values())
-    other = {n.name: s for n, s in lens.items() if s != ctx.seq_len}
+    ctx.recurrences = [n for n in found if not is_scan(n) or lens[n] == ctx.seq_len]
+    other = {n.name: s for n, s in lens.items() if s != ctx.seq_len and not is_scan(n)}
     if other:
         raise CPRewriteError(
             f"cp_compile: recurrent kernels {sorted(other)} run along lengths {sorted(set(other.values()))}, not the "
             f"sequence's {ctx.seq_len}. Fix: compile models whose sequence mixers share one sequence.")
     if ctx.recurrences:
-        log.info("cp_compile: %d recurrent kernel call(s), sequence length %d", len(ctx.recurrences), ctx.seq_len)
+        log.info("cp_compile: %d recurrence(s), sequence length %d", len(ctx.recurrences), ctx.seq_len)
 
 
-__all__ = ["find_recurrences", "is_recurrence", "mixer_inputs", "sequence_args"]
+__all__ = ["find_recurrences", "is_recurrence", "is_scan", "mixer_inputs", "sequence_args"]

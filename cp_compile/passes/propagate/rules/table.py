@@ -12,8 +12,8 @@ import torch.fx as fx
 from ..emitter import Emitter
 from ..oracle import decide
 from . import (  # noqa: F401  (imported for their @register_rule)
-    attention, autograd_fn, complex, einsum, fill, flex, getitem, halo, losses, order, pointwise, reductions, routing,
-    scans, views, vmap,
+    assoc_scan, attention, autograd_fn, complex, einsum, fill, flex, getitem, halo, losses, order, pointwise,
+    reductions, routing, scans, views, vmap,
 )
 from ...analyze.find_recurrences import is_recurrence
 from .recurrence import recurrence
