@@ -42,10 +42,10 @@ from .ring import doc_ids_from_cu_seqlens, doc_ids_from_position_ids, ring_atten
 from .step import context_parallel
 from .document_layout import layout_table
 from .recurrence import register_recurrence, unregister_recurrence
+from .warn_once import reset_warnings
 
 __version__ = "0.1.0"
 
 __all__ = ["BackendOptions", "RingCP", "RingOptions", "context_parallel", "doc_ids_from_cu_seqlens",
-           "doc_ids_from_position_ids", "layout_table", "positions", "register_recurrence", "ring_attention", "shard",
-           "unregister_recurrence", "unshard",
-           "__version__"]
+           "doc_ids_from_position_ids", "layout_table", "positions", "register_recurrence", "reset_warnings",
+           "ring_attention", "shard", "unregister_recurrence", "unshard", "__version__"]

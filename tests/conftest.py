@@ -60,3 +60,12 @@ def ranks():
         yield pools
     finally:
         pools.close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    """Every test sees cp_compile's once-per-process WARNINGs again (rank workers reset them per task)."""
+    import cp_compile
+
+    cp_compile.reset_warnings()
+    yield

@@ -92,6 +92,8 @@ def _worker(rank: int, world_size: int, init_method: str, tasks, results) -> Non
         import torch
         import torch.distributed as dist
 
+        import cp_compile
+
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
@@ -117,6 +119,7 @@ def _worker(rank: int, world_size: int, init_method: str, tasks, results) -> Non
         task_id, payload = item
         try:
             torch._dynamo.reset()  # every task compiles from a clean Dynamo, whatever ran before it
+            cp_compile.reset_warnings()  # and sees cp_compile's once-per-process WARNINGs again
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(_to_cpu(fn(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
             results.put((task_id, rank, True, value))

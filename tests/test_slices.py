@@ -129,8 +129,8 @@ def _compare(head: str, s: int) -> dict:
 
 
 def _compare_all(lengths: tuple) -> dict:
-    torch._dynamo.config.cache_size_limit = 64  # one model per head and length: many recompiles of forward
-    return {(head, s): _compare(head, s) for s in lengths for head in HEADS}
+    with torch._dynamo.config.patch(cache_size_limit=64):  # one model per head and length: recompiles (restored)
+        return {(head, s): _compare(head, s) for s in lengths for head in HEADS}
 
 
 @pytest.mark.slow

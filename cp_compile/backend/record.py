@@ -29,11 +29,11 @@ from ..passes.context import RewriteContext, source_line
 from ..passes.ring_call import ring_call
 from ..passes.analyze.graph_inputs import user_name
 from ..ulysses.choose import label
+from ..warn_once import warn_once
 
 log = logging.getLogger("cp_compile")
 
 LOW_SHARDED = 0.5  # below this sharded fraction of activation bytes, a rewritten graph is reported
-_warned: Set[str] = set()
 
 
 @dataclass
@@ -180,13 +180,13 @@ def warn_whole_sequence(gm: fx.GraphModule, example_inputs: List[object], seq_le
             rec.whole_inputs.append(f"{user_name(node)} {tuple(ex.shape)}")
     first = next((n for n in gm.graph.nodes if n.op in ("call_function", "call_method")), None)
     key = source_line(first) if first is not None else gm.__class__.__name__
-    if not rec.whole_inputs or key in _warned:
+    if not rec.whole_inputs:
         return
-    _warned.add(key)
-    log.warning("cp_compile: the graph starting at %s has no attention but takes %s, as long as a sequence an "
-                "earlier graph split: every rank runs it on the whole sequence (usually the code after a graph "
-                "break, e.g. a loss). Fix: remove the graph break (fullgraph=True shows it), or compute this "
-                "part inside the compiled model.", key, ", ".join(rec.whole_inputs))
+    warn_once(log, "whole inputs", key,
+              "cp_compile: the graph starting at %s has no attention but takes %s, as long as a sequence an "
+              "earlier graph split: every rank runs it on the whole sequence (usually the code after a graph "
+              "break, e.g. a loss). Fix: remove the graph break (fullgraph=True shows it), or compute this "
+              "part inside the compiled model.", key, ", ".join(rec.whole_inputs))
 
 
 def warn_no_attention(gm: fx.GraphModule, example_inputs: List[object]) -> None:
@@ -201,15 +201,15 @@ def warn_no_attention(gm: fx.GraphModule, example_inputs: List[object]) -> None:
              if isinstance(ex, torch.Tensor) and ex.dim() >= 2 and not is_parameter_like(n, ex)]
     first = next((n for n in gm.graph.nodes if n.op in ("call_function", "call_method")), None)
     key = source_line(first) if first is not None else gm.__class__.__name__
-    if not batch or key in _warned:
+    if not batch:
         return
-    _warned.add(key)
-    log.warning("cp_compile: ring_cp found no attention in the graph starting at %s (inputs %s): it is compiled "
-                "unchanged and every rank runs it on its whole inputs, with no context parallelism. ring_cp "
-                "splits the sequence around attention (scaled_dot_product_attention, flex_attention, or "
-                "softmax(q·kᵀ)·v written out); a model without attention (recurrent, state-space, "
-                "convolutional) gets none. If this graph is the code before a graph break, fullgraph=True "
-                "shows the break.", key, ", ".join(batch))
+    warn_once(log, "no attention", key,
+              "cp_compile: ring_cp found no attention in the graph starting at %s (inputs %s): it is compiled "
+              "unchanged and every rank runs it on its whole inputs, with no context parallelism. ring_cp "
+              "splits the sequence around attention (scaled_dot_product_attention, flex_attention, or "
+              "softmax(q·kᵀ)·v written out); a model without attention (recurrent, state-space, "
+              "convolutional) gets none. If this graph is the code before a graph break, fullgraph=True "
+              "shows the break.", key, ", ".join(batch))
 
 
 def _warn_if_low(rec: GraphRecord) -> None:
@@ -217,13 +217,11 @@ def _warn_if_low(rec: GraphRecord) -> None:
     if rec.sharded_fraction >= LOW_SHARDED or not (rec.attention or rec.recurrences):
         return
     key = rec.attention[0][1] if rec.attention else rec.recurrences[0]
-    if key in _warned:
-        return
-    _warned.add(key)
     explicit = [m for m in rec.masks if "explicit" in m]
     why = (f"most of it is explicit attention-mask rows ({explicit[0]})" if explicit and not rec.fallbacks
            else "most of it runs on the whole sequence on every rank")
-    log.warning("cp_compile: the graph with sequence mixers at %s holds only %.0f%% of its activation bytes sharded "
-                "(%d gather fallback(s)%s): %s. Fix: see the fallbacks' and masks' warnings, or run "
-                "`cp-compile explain` on the model.", key, 100 * rec.sharded_fraction,
-                len(rec.fallbacks), "; first: " + rec.fallbacks[0] if rec.fallbacks else "", why)
+    warn_once(log, "low sharded share", key,
+              "cp_compile: the graph with sequence mixers at %s holds only %.0f%% of its activation bytes sharded "
+              "(%d gather fallback(s)%s): %s. Fix: see the fallbacks' and masks' warnings, or run "
+              "`cp-compile explain` on the model.", key, 100 * rec.sharded_fraction,
+              len(rec.fallbacks), "; first: " + rec.fallbacks[0] if rec.fallbacks else "", why)

@@ -23,7 +23,7 @@ gathers are warned too. ``cp-compile explain`` prints ``ctx.unsplit`` from this 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx as fx
@@ -33,6 +33,7 @@ from ..context import CPRewriteError, RewriteContext, fake_value, log, source_li
 from ..node_facts import facts
 from .graph_inputs import is_parameter_like
 from ..op_vocab import BADDBMM, EINSUM, MATMUL, SDPA_TARGETS, arguments, is_, tensor
+from ...warn_once import warn_once
 
 OPAQUE_ATTENTION = ("multi_head_attention_forward",)
 REGIONS = {"cond": "torch.cond", "while_loop": "torch.while_loop", "map_impl": "torch.map",
@@ -42,7 +43,6 @@ DEPTH = 24  # how many ops above a softmax its scores may come from the product 
 FIX = ("Fix: F.scaled_dot_product_attention(q, k, v, attn_mask=..., is_causal=...) computes the same without "
        "the L x L scores, and ring_cp turns it into ring attention")
 
-_warned: Set[str] = set()
 
 
 def _name(node: fx.Node) -> str:
@@ -212,7 +212,5 @@ def find_unsplit_attention(gm: fx.GraphModule, ctx: RewriteContext) -> List[str]
         message = f"cp_compile: attention that ring_cp cannot split, at {line}. {effect}"
         if ctx.options.strict:
             raise CPRewriteError(message + " (strict=True)")
-        if line not in _warned:
-            _warned.add(line)
-            log.warning(message)
+        warn_once(log, "unsplit attention", line, "%s", message)
     return ctx.unsplit

@@ -51,8 +51,8 @@ from ..context import RewriteContext, log, source_line
 from ..fx_utils import rows_per_query, stored_bytes, to_int
 from ..node_facts import facts, set_facts
 from ..ring_call import ring_call
+from ...warn_once import warn_once
 
-_WARNED: set = set()
 SEQ_TO_HEADS = torch.ops.cp_compile.seq_to_heads.default
 HEADS_TO_SEQ = torch.ops.cp_compile.heads_to_seq.default
 
@@ -70,9 +70,8 @@ def apply_strategy(gm: fx.GraphModule, ctx: RewriteContext) -> None:
                           _blocker(args, ctx), hw)
         set_facts(node, ring_call=replace(ring_call(node), strategy=decision.strategy, ulysses=decision.u,
                                           why=decision.why))
-        if decision.fell_back and (where, decision.why) not in _WARNED:  # once per line and reason
-            _WARNED.add((where, decision.why))
-            log.warning("cp_compile: attention at %s: %s", where, decision.why)
+        if decision.fell_back:  # once per line and reason
+            warn_once(log, "strategy", (where, decision.why), "cp_compile: attention at %s: %s", where, decision.why)
         else:
             log.info("cp_compile: attention (node %s): %s", node.name, decision.text)
         if decision.u > 1:

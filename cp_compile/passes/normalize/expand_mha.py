@@ -41,7 +41,7 @@ attention. The eval-mode fast paths (``torch._transformer_encoder_layer_fwd``,
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -49,10 +49,10 @@ import torch.nn.functional as F
 
 from ..context import CPRewriteError, RewriteContext, fake_value, log, source_line
 from ..op_vocab import arguments
+from ...warn_once import warn_once
 from .fake_emit import FakeEmitter, finish_expansion
 
 MHA = F.multi_head_attention_forward
-_warned: Set[str] = set()
 
 
 def expand_mha(gm: fx.GraphModule, ctx: RewriteContext) -> int:
@@ -138,9 +138,7 @@ def _refuse(node: fx.Node, why: str, ctx: RewriteContext) -> None:
            f"whole: {why}")
     if ctx.options.strict:
         raise CPRewriteError(msg + " (strict=True)")
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
+    warn_once(log, "mha left whole", msg, "%s", msg)
 
 
 def _in_projection(em: FakeEmitter, a: Dict[str, Any]) -> Tuple[fx.Node, fx.Node, fx.Node]:

@@ -33,8 +33,8 @@ from ....ring.masking import additive_mask
 from ...context import CPRewriteError, global_shape, log, source_line
 from ...op_vocab import MASK_ELEMENTWISE
 from ...propagate.placements import Sharded
+from ....warn_once import warn_once
 
-_warned = False  # the O(c·S) warning is given once per process
 
 
 def explicit_mask(em: Any, terms: Sequence[fx.Node], sdpa: fx.Node, adds: Sequence[fx.Node] = ()) -> fx.Node:
@@ -138,15 +138,10 @@ def _expand_rows(em: Any, node: fx.Node, memo: Dict[fx.Node, Any]) -> fx.Node:
 
 
 def _warn_rows(em: Any, sdpa: fx.Node, shape: torch.Size) -> None:
-    global _warned
     nbytes = 4 * shape[0] * shape[1] * em.ctx.local_len * em.ctx.padded_len
     msg = (f"cp_compile: the attention mask of scaled_dot_product_attention at {source_line(sdpa)} is an explicit "
            f"{tuple(shape)} mask: each rank builds its {em.ctx.local_len} query rows over all keys "
            f"(O(S^2 / N) memory: {nbytes / 2**20:.3g} MiB per rank here). Cheaper: "
            "is_causal=True (or a causal sliding window built from positions) with no attn_mask; a padding mask "
            "over keys only ((B, 1, 1, S), e.g. Hugging Face's attention_mask) costs O(B·S).")
-    if _warned:
-        log.info(msg)
-    else:
-        _warned = True
-        log.warning(msg)
+    warn_once(log, "explicit mask rows", None, "%s", msg)  # once per process: the fix is the same everywhere
