@@ -101,7 +101,7 @@ def test_gradient_accumulation_with_no_sync_equals_one_process(ranks, dp, cp):
     accumulated shares. Either way: every micro-batch's loss, the accumulated gradients and the
     parameters after the step are the one-process run's on the same global micro-batches."""
     ref_losses, ref_grads, ref_params = _accumulate_reference(dp)
-    for rank, per_recipe in enumerate(ranks.run(dp * cp, _accumulate, ACCUMULATE, dp, timeout=600)):
+    for rank, per_recipe in enumerate(ranks.run(dp * cp, _accumulate, ACCUMULATE, dp, timeout=300)):
         for recipe, (losses, grads, params, counts) in per_recipe.items():
             where = (rank, recipe)
             assert max(rel(a, b) for a, b in zip(losses, ref_losses)) <= TOL, (where, losses, ref_losses)
@@ -189,7 +189,7 @@ def test_fsdp_bf16_mixed_precision_within_twice_the_one_process_error(ranks, dp,
     mesh: the loss and every gradient no further from the fp32 truth than twice the same model under
     FSDP2 with the same policy on one rank (+ SLACK). The one-process run must itself be visibly bf16."""
     truth = _fp32_truth(dp)
-    for rank, per_recipe in enumerate(ranks.run(dp * cp, _mixed, MIXED, dp, timeout=600)):
+    for rank, per_recipe in enumerate(ranks.run(dp * cp, _mixed, MIXED, dp, timeout=300)):
         one = _errors(*per_recipe["one process"], truth)
         assert max(one.values()) > 1e-3, (rank, "the one-process run is not bf16", one)
         for recipe in MIXED:

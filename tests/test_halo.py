@@ -180,7 +180,7 @@ def _check(results: list, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_neighbour_reads_are_exact_on_the_shards(ranks, world: int) -> None:
-    for results in ranks.run(world, _cases, world, timeout=900):
+    for results in ranks.run(world, _cases, world, timeout=300):
         _check(results, world)
 
 

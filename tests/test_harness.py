@@ -109,3 +109,21 @@ def test_dead_worker_is_reported_and_pool_recovers(ranks):
     with pytest.raises(RankError, match=r"rank 1 -----\nworker process died \(exit code 3\)"):
         ranks.run(2, _exit_on, 1, timeout=30)
     assert ranks.run(2, _rank) == [0, 1]
+
+
+def test_no_per_call_budget_exceeds_the_suite_timeout():
+    """No ``timeout=`` given to a rank call or a subprocess in tests/ exceeds pytest's own per-test
+    timeout (pyproject.toml): a longer budget could never be reached (pytest stops the test first)."""
+    import re
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        suite = tomllib.load(f)["tool"]["pytest"]["ini_options"]["timeout"]
+    over = []
+    for name in sorted(os.listdir(os.path.dirname(os.path.abspath(__file__)))):
+        if name.endswith(".py"):
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)) as f:
+                over += [f"{name}: timeout={t}" for t in re.findall(r"\btimeout=(\d+(?:\.\d+)?)\b", f.read())
+                         if float(t) > suite]
+    assert not over, f"budgets above the suite's {suite} s timeout: {over}"

@@ -35,7 +35,7 @@ def _env() -> dict:
 
 def _run(cmd: list) -> dict:
     """Run ``cmd`` (the example); its last stdout line is rank 0's JSON result."""
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

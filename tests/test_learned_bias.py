@@ -244,7 +244,7 @@ def _hf_errors(impl: str, seq_len: int) -> tuple:
     (2, [("t5_sdpa", 37), ("alibi_sdpa", 37)]),  # a length that does not divide: padding
 ], ids=["N2", "N4", "odd"])
 def test_learned_biases_are_exact(ranks, world: int, cases: list) -> None:
-    for rank, errors in enumerate(ranks.run(world, _rank_errors, cases, timeout=400)):
+    for rank, errors in enumerate(ranks.run(world, _rank_errors, cases, timeout=300)):
         for (name, _), (loss, grad, learned, rings) in zip(cases, errors):
             assert loss <= TOL and grad <= TOL and learned <= TOL and not rings, (rank, name, loss, grad, learned,
                                                                                    rings)
@@ -257,7 +257,7 @@ def test_hf_t5_encoder_model_is_exact(ranks) -> None:
     no fallback, exact at N = 2."""
     pytest.importorskip("transformers")
     cases = [("hf_sdpa", S), ("hf_eager", S)]
-    for rank, errors in enumerate(ranks.run(2, _rank_errors, cases, timeout=400)):
+    for rank, errors in enumerate(ranks.run(2, _rank_errors, cases, timeout=300)):
         for (name, _), (loss, grad, learned, rings) in zip(cases, errors):
             assert loss <= TOL and grad <= TOL and learned <= TOL and not rings, (rank, name, loss, grad, learned,
                                                                                    rings)

@@ -91,7 +91,7 @@ def _compare(seq: int, load_balance: str) -> dict:
 ])
 def test_fla_fused_recurrent_gla_is_state_passed_exactly(ranks, world, seq, lb) -> None:
     runs = 2 if lb == "zigzag" else 1
-    for rank, r in enumerate(ranks.run(world, _compare, seq, lb, timeout=600)):
+    for rank, r in enumerate(ranks.run(world, _compare, seq, lb, timeout=300)):
         assert r["loss"] <= TOL and max(r["grads"].values()) <= TOL, (rank, r)
         assert not r["fallbacks"] and len(r["recurrences"][0]) == 1, (rank, r)
         assert r["calls"] == 3 * runs, (rank, r)  # per run: from zero, the probe, from the incoming state

@@ -152,7 +152,7 @@ def test_learned_biases_match_explicit_scores_fp64(ranks, world):
 def test_learned_bias_on_the_triton_kernel(ranks):
     """kernel="triton" (the interpreter on CPU, fp32): the forward runs the fused Triton step kernels with
     the mods, the backward the explicit-scores loop, which gives the table's gradient."""
-    per_rank = ranks.run(2, _rank_cases, [TRITON_CASE], torch.float32, timeout=600)
+    per_rank = ranks.run(2, _rank_cases, [TRITON_CASE], torch.float32, timeout=300)
     failures = _errors(per_rank, [TRITON_CASE], 2)
     assert not failures, "\n".join(failures)
 
@@ -245,7 +245,7 @@ def _compiled(style: str, seq_len: int) -> dict:
     ("learned_alibi", 2, 30), ("t5_bias", 2, 30), ("learned_alibi", 4, 32), ("t5_bias", 4, 32),
 ])
 def test_compiled_flex_with_learned_score_mod_trains_exactly(ranks, style, world, seq_len):
-    for rank, r in enumerate(ranks.run(world, _compiled, style, seq_len, timeout=600)):
+    for rank, r in enumerate(ranks.run(world, _compiled, style, seq_len, timeout=300)):
         assert r["learned"] and all(r["grads"][n] <= F32 for n in r["learned"]), (rank, r["grads"])
         assert r["loss"] <= F32 and max(r["grads"].values()) <= F32, (rank, r)
         assert r["fallbacks"] == [] and r["gathers"] == 0 and r["record"], (rank, r)

@@ -137,7 +137,7 @@ def _cases(group: str) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("world,group", [(w, g) for w in (2, 4) for g in CASES])
 def test_scans_along_the_sequence_are_exact(ranks, world: int, group: str) -> None:
-    for rank, results in enumerate(ranks.run(world, _cases, group, timeout=280)):
+    for rank, results in enumerate(ranks.run(world, _cases, group, timeout=300)):
         for case, r in zip(CASES[group], results):
             where = (world, rank, *case)
             tol = TOL[case[2]]

@@ -315,7 +315,7 @@ def _llama_inductor_cold_then_warm(cache_dir: str):
 def test_inductor_overlap_config_reorders_the_backward_and_the_warm_cache_hits(ranks):
     cache = os.path.join(REPO, ".cache", f"inductor-shared-{uuid.uuid4().hex[:8]}")
     try:
-        per_rank = ranks.run(2, _llama_inductor_cold_then_warm, cache, timeout=600)
+        per_rank = ranks.run(2, _llama_inductor_cold_then_warm, cache, timeout=300)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     for rank, (cold, warm) in enumerate(per_rank):

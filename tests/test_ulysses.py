@@ -320,7 +320,7 @@ def test_symbolic_lengths(ranks):
     """Under ``dynamic=True`` (two lengths, one padded) Ulysses and 2-D run exact; 2-D under striped, whose
     ring needs a positions table per length, runs the ring and says so once per line and reason."""
     cases = [("2d", "zigzag"), ("2d", "striped")]
-    for rank, results in enumerate(ranks.run(4, _dynamic, cases, timeout=600)):
+    for rank, results in enumerate(ranks.run(4, _dynamic, cases, timeout=300)):
         by_case = {r["case"]: r for r in results}
         assert all(r["error"] <= TOL for r in results), (rank, results)
         assert [s.split(":")[0] for s in by_case["2d", "zigzag"]["strategies"]] == ["2d u=2 x r=2"], by_case
