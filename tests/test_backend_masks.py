@@ -174,22 +174,21 @@ def test_masks_under_dynamic_shapes(ranks, kind: str) -> None:
 
 
 @pytest.mark.slow
-def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog, monkeypatch) -> None:
+def test_an_s_by_s_mask_warns_once_naming_the_cheaper_form(caplog) -> None:
     """A mask that varies by query costs O(S^2 / N) per rank: one warning per process (then
-    info), naming the attention's source line and the cheaper forms; key padding warns not."""
+    debug; tests/conftest.py resets the warnings before each test), naming the attention's source
+    line and the cheaper forms; key padding warns not."""
     import logging
 
     from cp_compile.tools.explain import explain_model
-    from cp_compile.passes.analyze.masks import rows as mask_rows
 
-    monkeypatch.setattr(mask_rows, "_warned", False)
-    caplog.set_level(logging.INFO, logger="cp_compile")
+    caplog.set_level(logging.DEBUG, logger="cp_compile")
     inputs = masked_inputs("causal_padding", 32)
     explain_model(MaskedAttention("causal_padding"), (inputs["x"], inputs["padding"]), world_size=2)
     given = masked_inputs("given", 32)["given"]  # an S x S mask passed in: no rule of positions
     for _ in range(2):
         explain_model(MaskedAttention("given"), (inputs["x"], None, given), world_size=2)
     about = [r for r in caplog.records if "explicit" in r.getMessage() and "query rows" in r.getMessage()]
-    assert [r.levelname for r in about] == ["WARNING", "INFO"], [(r.levelname, r.getMessage()) for r in about]
+    assert [r.levelname for r in about] == ["WARNING", "DEBUG"], [(r.levelname, r.getMessage()) for r in about]
     text = about[0].getMessage()
     assert "checks.py:" in text and "Cheaper: is_causal=True" in text and "(B, 1, 1, S)" in text, text
