@@ -39,10 +39,10 @@ from distributed import RankPools  # noqa: E402 (after the sys.path and TRITON_I
 # Test tiers: ``./dev test`` runs everything (CI); ``--fast`` (``-m "not slow and not inductor"``) is
 # the inner loop; ``--unit`` (``-m "not multirank and not slow and not inductor"``) starts no process
 # group. ``slow`` and ``inductor`` are marked on the tests themselves (``@pytest.mark.slow``): slow is
-# a test function one of whose cases took 2 s or more in a full run on 2 busy cores
-# (``./dev test --durations=0``), except one end-to-end model test and one ring-op test that the
-# fast tier keeps as smoke; and a single-process one whose case took about 3 s or more in a
-# ``--unit`` run on 2 cores loaded ~5x over (so that ``--unit`` stays under a minute of CPU).
+# a test one of whose cases took 5 s or more in a full run on 2 busy cores (the durations record in
+# docs/examples.md, which tests/test_harness.py checks the marks against), except the smoke tests it
+# names; and a single-process one whose case took about 3 s or more in a ``--unit`` run on 2 cores
+# loaded ~5x over (so that ``--unit`` stays under a minute of CPU).
 # ``multirank`` is set here, from the fixture.
 
 

@@ -142,6 +142,7 @@ CASES = {
 WORLD_CASES = {2: list(CASES), 4: ["nanogpt", "sdpa-bool-buffer", "random-buffer"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(WORLD_CASES))
 def test_buffer_masks_are_exact_and_causal_masks_are_the_flag(ranks, world: int) -> None:
     todo = [(name, CASES[name][0]) for name in WORLD_CASES[world]]

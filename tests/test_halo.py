@@ -178,6 +178,7 @@ def _check(results: list, world: int) -> None:
             assert r["fallbacks"] == [], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_neighbour_reads_are_exact_on_the_shards(ranks, world: int) -> None:
     for results in ranks.run(world, _cases, world, timeout=300):

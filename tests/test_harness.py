@@ -127,3 +127,31 @@ def test_no_per_call_budget_exceeds_the_suite_timeout():
                 over += [f"{name}: timeout={t}" for t in re.findall(r"\btimeout=(\d+(?:\.\d+)?)\b", f.read())
                          if float(t) > suite]
     assert not over, f"budgets above the suite's {suite} s timeout: {over}"
+
+
+SLOW_SECONDS = 5.0  # a case this slow in the record is out of the fast tier (tests/conftest.py)
+SMOKE = {  # kept in the fast tier on purpose, however long they take
+    "tests/test_hf_architectures.py::test_architecture_has_its_outcome": "the fast tier's end-to-end HF model run",
+}
+
+
+@pytest.mark.slow
+def test_slow_marks_follow_the_durations_record():
+    """Every test the committed durations record (docs/examples.md, written by benchmarks/durations.py)
+    times at SLOW_SECONDS or more is outside ``./dev test --fast`` now (pytest's own collection), except
+    the SMOKE tests."""
+    import importlib.util
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("durations", os.path.join(root, "benchmarks", "durations.py"))
+    durations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(durations)
+    with open(os.path.join(root, "docs", "examples.md")) as f:
+        record = f.read().split(durations.BEGIN)[1].split(durations.END)[0]
+    rows = [(float(s), t) for s, t in re.findall(r"^\| ([\d.]+) \| \w+ \| `([^`]+)` \|$", record, re.M)]
+    assert len(rows) >= 40, f"the record in docs/examples.md lists {len(rows)} tests"
+    fast = durations.fast_ids({t.split("::")[0] for _, t in rows})
+    assert fast, "pytest collected no fast test from the record's files"
+    unmarked = [f"{t} ({s:.1f} s)" for s, t in rows if s >= SLOW_SECONDS and t in fast and t not in SMOKE]
+    assert not unmarked, f"in the fast tier, but {SLOW_SECONDS} s or more in the record: mark them slow: {unmarked}"

@@ -111,6 +111,7 @@ def _compiled_mismatch_rank_fn():
     return batch, first, no_cp
 
 
+@pytest.mark.slow
 def test_compiled_model_with_different_lengths_per_rank(ranks):
     for rank, (batch, first, no_cp) in enumerate(ranks.run(2, _compiled_mismatch_rank_fn, timeout=180)):
         assert batch is not None and batch[0] == "BatchMismatchError", (rank, batch)

@@ -69,7 +69,10 @@ HAND = {(4, "2d", 2): {"all_to_all": 2 * 10240, "ring K/V": 2 * 4096, "ring dK/d
 CASES = [(4, "ring", None), (4, "ulysses", None), (4, "2d", 2)]  # N = 4: K/V heads (2) fewer than u = 4 too
 
 
-@pytest.mark.parametrize("world,strategy,u", CASES, ids=[f"N{w}-{s}" + (f"-u{u}" if u else "") for w, s, u in CASES])
+@pytest.mark.parametrize("world,strategy,u", [
+    pytest.param(w, s, u, id=f"N{w}-{s}" + (f"-u{u}" if u else ""),
+                 marks=[pytest.mark.slow] if s != "ulysses" else [])  # the fast tier keeps one (5 s or more each)
+    for w, s, u in CASES])
 def test_counted_bytes_equal_the_cost_model(ranks, world: int, strategy: str, u) -> None:
     want = _expected(world, strategy, u)
     for rank, r in enumerate(ranks.run(world, _counted_step, strategy, u, timeout=300)):

@@ -242,6 +242,7 @@ def _writes_on_rank(writes) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_rows_written_back_by_setitem_index_put_or_scatter_add_stay_on_this_rank(ranks):
     """``y[idx] += rows``, ``index_put_(accumulate=True)`` and ``scatter_add_`` with the indices expanded
     over the features write this rank's rows like ``index_add_``; into a ``y`` built whole (``torch.zeros``
