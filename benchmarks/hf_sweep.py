@@ -55,6 +55,13 @@ def worker(args: argparse.Namespace) -> None:
     import warnings
 
     import torch
+
+    if not torch.cuda.is_available():
+        # transformers calls flash-linear-attention's Triton kernels (chunk_gated_delta_rule, ...) whenever
+        # `fla` imports, on any device; the test extra installs it (tests/test_recurrence_fla.py), and without a
+        # GPU those kernels cannot run ("0 active drivers"). The sweep runs the models' torch paths, as a
+        # machine without fla does: `import fla` fails in this worker.
+        sys.modules.setdefault("fla", None)
     import torch.distributed as dist
     import transformers
 
@@ -247,6 +254,21 @@ def counts(records: List[Dict[str, Any]]) -> Dict[str, int]:
     return {**out, "tried": len(records), "built": len(records) - out["not built"]}
 
 
+ROOT_CAUSES = (  # what the "compile fails without ring_cp" rows come from, found by hand (issue 36)
+    "**Why the Gated DeltaNet hybrids fail to compile** (`qwen3_next`, `qwen3_5`, `qwen3_5_moe`, `olmo_hybrid`, "
+    "`qwen4_exp`, each with `*_text`; traced on `qwen3_next`, the others fail at the same `view` from the same "
+    "layer code): torch 2.13's fake (meta) `aten.softplus_backward` returns strides that "
+    "follow its `self` argument, the CPU kernel strides that follow `grad_output` (`sigmoid_backward` agrees with "
+    "its kernel). The models' `g = ... * softplus(a + dt_bias)` is read transposed by the delta rule, so its "
+    "gradient arrives transposed; AOTAutograd's backward then `cat`s it with `beta`'s gradient, gets a tensor it "
+    "believes contiguous, and its `view` fails at run time (`view size is not compatible ...`), with or "
+    "without ring_cp. Reproducer: `g = torch.randn(2, 4, 64).transpose(1, 2); x = torch.randn(2, 64, 4)`; "
+    "`torch.ops.aten.softplus_backward(g, x, 1, 20).stride()` is `(256, 1, 64)` eagerly and `(256, 4, 1)` under "
+    "`FakeTensorMode`. The sweep runs these models' torch paths: with `fla` importable, transformers calls "
+    "flash-linear-attention's Triton kernels on any device, which cannot run without a GPU, so the sweep's "
+    "workers hide `fla`.")
+
+
 def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
     """``docs/hf_sweep.md``: what is swept and how, the counts, then one row per architecture."""
     import torch
@@ -289,7 +311,7 @@ def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespac
         + (" (this invocation; resumed from earlier results)" if args.resume else "") + ".", "",
         "| outcome | architectures |", "|---|---|",
         *[f"| {k} | {n[k]} |" for k in arch.OUTCOMES], *[f"| *skipped: {k}* | {n[k]} |" for k in arch.SKIPPED],
-        f"| **tried** | {n['tried']} (built {n['built']}) |", "",
+        f"| **tried** | {n['tried']} (built {n['built']}) |", "", ROOT_CAUSES, "",
         "| model type | class | outcome | ring ops / attentions | loss error | worst gradient error (parameter) "
         "| gathers | first warning or error |", "|---|---|---|---|---|---|---|---|",
         *[_row(r) for r in records],
