@@ -117,13 +117,13 @@ def test_no_per_call_budget_exceeds_the_suite_timeout():
     import re
     import tomllib
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(os.path.dirname(here), "pyproject.toml"), "rb") as f:
         suite = tomllib.load(f)["tool"]["pytest"]["ini_options"]["timeout"]
     over = []
-    for name in sorted(os.listdir(os.path.dirname(os.path.abspath(__file__)))):
+    for name in sorted(os.listdir(here)):
         if name.endswith(".py"):
-            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)) as f:
+            with open(os.path.join(here, name)) as f:
                 over += [f"{name}: timeout={t}" for t in re.findall(r"\btimeout=(\d+(?:\.\d+)?)\b", f.read())
                          if float(t) > suite]
     assert not over, f"budgets above the suite's {suite} s timeout: {over}"

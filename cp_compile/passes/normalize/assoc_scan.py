@@ -231,8 +231,9 @@ def _replace(gm: fx.GraphModule, start: fx.Node, region: List[fx.Node], leaves: 
         value = values.get(i, None)
         item.meta = {**new.meta, "example_value": value if value is not None else _like(fake_value(leaves[i]))}
     new.meta["example_value"] = [it.meta["example_value"] for it in items]
+    inside = set(region)
     for out, i in outputs.items():
-        out.replace_all_uses_with(items[i], delete_user_cb=lambda u: u not in set(region))
+        out.replace_all_uses_with(items[i], delete_user_cb=lambda u: u not in inside)
     for node in reversed(region):
         g.erase_node(node)
 

@@ -29,6 +29,7 @@ from ...context import global_shape, log, source_line
 from ...fx_utils import fake_value
 from ..emitter import Emitter
 from ..placements import Sharded
+from .common import _no_runs
 from .registry import register_rule
 
 
@@ -66,12 +67,9 @@ def _across_tokens(em: Emitter, leaves: List[fx.Node], extra: List[fx.Node]) -> 
 
 def _refusal(em: Emitter, leaves: List[fx.Node], extra: List[fx.Node]) -> Optional[str]:
     """Why the scan cannot be done from run totals here, or None."""
-    chunks = em.index.chunks()
-    if chunks is None:
-        return (f"load_balance={em.ctx.options.load_balance!r} on {em.ctx.world} ranks holds no contiguous runs of "
-                "tokens to scan (fix: load_balance='zigzag' or 'contiguous')")
-    if not isinstance(chunks[1], int):
-        return "the sequence length is symbolic (fix: torch.compile(..., dynamic=False))"
+    why = _no_runs(em)
+    if why is not None:
+        return why
     for x in leaves:
         lay = em.layout(x)
         if global_shape(x)[0] != em.ctx.seq_len:

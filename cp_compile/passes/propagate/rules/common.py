@@ -30,6 +30,18 @@ def _sharded(em: Emitter, arg: Any) -> Optional[Sharded]:
     return lay if isinstance(lay, Sharded) else None
 
 
+def _no_runs(em: Emitter) -> Optional[str]:
+    """Why this layout gives no fixed runs of tokens for a rule that follows the global order across
+    them (a recurrence, an associative scan), or None."""
+    chunks = em.index.chunks()
+    if chunks is None:
+        return (f"load_balance={em.ctx.options.load_balance!r} on {em.ctx.world} ranks holds no contiguous runs of "
+                "tokens (fix: load_balance='zigzag' or 'contiguous')")
+    if not isinstance(chunks[1], int):
+        return "the sequence length is symbolic (fix: dynamic=False, or pad to a fixed length)"
+    return None
+
+
 def _flat_args(node: fx.Node) -> list:
     from torch.utils._pytree import tree_flatten
 

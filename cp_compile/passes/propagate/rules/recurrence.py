@@ -43,7 +43,7 @@ from ...fx_utils import fake_value
 from ...op_vocab import arguments
 from ..emitter import Emitter
 from ..placements import GLOBAL, Sharded
-from .common import _ndim, _norm
+from .common import _ndim, _no_runs, _norm
 
 
 def recurrence(em: Emitter, node: fx.Node):
@@ -87,17 +87,6 @@ def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]
         if isinstance(result, (tuple, list)) else []
     if extra:
         return f"it returns outputs {extra} that the contract does not declare (outputs=, final_state=)"
-    return None
-
-
-def _no_runs(em: Emitter) -> Optional[str]:
-    """Why this layout gives no fixed runs of tokens to pass a state between, or None."""
-    chunks = em.index.chunks()
-    if chunks is None:
-        return (f"load_balance={em.ctx.options.load_balance!r} on {em.ctx.world} ranks holds no contiguous runs of "
-                "tokens (fix: load_balance='zigzag' or 'contiguous')")
-    if not isinstance(chunks[1], int):
-        return "the sequence length is symbolic (fix: dynamic=False, or pad to a fixed length)"
     return None
 
 
