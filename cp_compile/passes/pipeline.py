@@ -41,6 +41,7 @@ from .finalize.repropagate import repropagate
 from .finalize.ring_timeout import set_ring_timeout
 from .finalize.strategy import apply_strategy
 from .normalize.assoc_scan import collapse_associative_scans
+from .normalize.fold_loops import fold_recurrence_loops
 from .normalize.block_masks import drop_block_masks
 from .normalize.documents_first import documents_first
 from .normalize.expand_fastpath import expand_fastpath
@@ -133,6 +134,7 @@ PASSES: Tuple[Pass, ...] = (
     Pass("refuse_nested_tensors", "normalize", _refuse_nested),
     Pass("inline_regions", "normalize", _inline_regions),
     Pass("collapse_associative_scans", "normalize", collapse_associative_scans),
+    Pass("fold_recurrence_loops", "normalize", fold_recurrence_loops),
     Pass("expand_mha", "normalize", expand_mha),
     Pass("expand_fastpath", "normalize", expand_fastpath),
     Pass("fuse_attention", "normalize", fuse_attention),

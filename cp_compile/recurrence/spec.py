@@ -50,6 +50,8 @@ class RecurrenceSpec:
             (``"elementwise"`` and ``"matrix"`` need at least one; none may be used by ``A_t``).
         pad_values: per sequence argument, the value of a padding token that makes its step the
             identity (``A_t = I``, ``b_t = 0``); 0.0 for any argument not named (log-space gates, dt, k, v).
+        homogeneous: instead of ``drive``, a bool parameter that, True, makes the kernel run the
+            homogeneous recurrence ``h_t = A_t h_{t-1}`` itself (a folded loop's kernel: :mod:`.loops`).
         when: arguments the contract holds for only with these values (``{"reverse": False,
             "cu_seqlens": None}``); a call with any other value is run on the gathered sequence, warned.
     """
@@ -62,6 +64,7 @@ class RecurrenceSpec:
     final_state_flag: Optional[str] = None
     transition: Transition = "elementwise"
     drive: Tuple[str, ...] = ()
+    homogeneous: Optional[str] = None
     pad_values: Mapping[str, float] = field(default_factory=dict)
     when: Mapping[str, Any] = field(default_factory=dict)
 
@@ -95,7 +98,8 @@ def _check(spec: RecurrenceSpec) -> None:
         params = None  # a builtin without a signature: the names are checked at the first call
     named = {"seq_args": tuple(spec.seq_args), "initial_state": (spec.initial_state,), "drive": spec.drive,
              "pad_values": tuple(spec.pad_values), "when": tuple(spec.when),
-             "final_state_flag": (spec.final_state_flag,) if spec.final_state_flag else ()}
+             "final_state_flag": (spec.final_state_flag,) if spec.final_state_flag else (),
+             "homogeneous": (spec.homogeneous,) if spec.homogeneous else ()}
     for what, names in named.items():
         missing = [n for n in names if params is not None and n not in params]
         if missing:
@@ -103,7 +107,7 @@ def _check(spec: RecurrenceSpec) -> None:
                              f"({sorted(params)}). Fix: use the kernel's own parameter names.")
     if not spec.seq_args or not spec.outputs:
         raise ValueError(f"{where}: seq_args and outputs must each name at least one per-token tensor.")
-    if spec.transition != "serial" and not spec.drive:
+    if spec.transition != "serial" and not spec.drive and not spec.homogeneous:
         raise ValueError(f"{where}: transition={spec.transition!r} needs drive=(...): the arguments that, zeroed, "
                          "leave only the decay of the state (e.g. ('v',) for linear attention, ('x',) for an SSM). "
                          "Fix: name them, or transition='serial'.")
@@ -149,6 +153,9 @@ def recurrence_spec(target: Any) -> Optional[RecurrenceSpec]:
     """The registered contract of ``target`` (a graph node's target, or the kernel registered), or None."""
     from .opaque import _GRAPH_FNS
 
+    own = getattr(target, "recurrence_spec", None)  # a folded loop's kernel carries its own (.loops)
+    if isinstance(own, RecurrenceSpec):
+        return own
     try:
         return SPECS.get(target) or SPECS.get(_GRAPH_FNS.get(target))
     except TypeError:  # an unhashable target

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ...recurrence import recurrence_spec
+from ...recurrence.loops import is_loop_kernel
 from ...recurrence.scan import scan_leaves
 from ..context import CPRewriteError, RewriteContext, global_shape, log, source_line
 from ..op_vocab import arguments
@@ -74,13 +75,15 @@ def _length(node: fx.Node) -> int:
 
 def find_recurrences(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     """Fill ``ctx.recurrences`` (and ``ctx.seq_len`` when the graph has no attention). A scan along
-    another length than the sequence's (its features) is per token, not a recurrence over the tokens."""
+    another length than the sequence's (its features), or a folded loop over one, is per token, not a
+    recurrence over the tokens."""
     found = [n for n in gm.graph.nodes if is_recurrence(n) or is_scan(n)]
     lens = {n: _length(n) for n in found}
     if not ctx.attention and lens:
         ctx.seq_len = max(lens.values())
-    ctx.recurrences = [n for n in found if not is_scan(n) or lens[n] == ctx.seq_len]
-    other = {n.name: s for n, s in lens.items() if s != ctx.seq_len and not is_scan(n)}
+    own = {n for n in found if is_scan(n) or is_loop_kernel(n.target)}  # found in the graph, not registered
+    ctx.recurrences = [n for n in found if n not in own or lens[n] == ctx.seq_len]
+    other = {n.name: s for n, s in lens.items() if s != ctx.seq_len and n not in own}
     if other:
         raise CPRewriteError(
             f"cp_compile: recurrent kernels {sorted(other)} run along lengths {sorted(set(other.values()))}, not the "

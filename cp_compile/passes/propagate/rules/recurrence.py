@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ....recurrence import recurrence_spec
+from ....recurrence.loops import is_loop_kernel
 from ....recurrence.spec import RecurrenceSpec, StatePassed
 from ....recurrence.state_passing import incoming_states, keep_alive, summary_bytes
 from ....graph_ops import all_reduce_sum
@@ -75,13 +76,15 @@ def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]
     why = _outside_contract(spec, a) or _no_runs(em) or _misplaced_argument(em, spec, a)
     if why is not None:
         return why
-    if spec.transition == "serial" and _padded(em) and _reads_final_state(node, spec):
-        return (f"the sequence's {em.ctx.seq_len} tokens are padded to {_padded(em)}, and a serial "
-                "kernel has no identity step to pad with, so its final state would be wrong (fix: a length "
+    if (spec.transition == "serial" or is_loop_kernel(spec.target)) and _padded(em) and _reads_final_state(node, spec):
+        return (f"the sequence's {em.ctx.seq_len} tokens are padded to {_padded(em)}, and this kernel (serial, "
+                "or a folded loop) has no identity step to pad with, so its final state would be wrong (fix: a length "
                 f"that is a multiple of {em.ctx.world * em.index.chunks()[0].shape[1]}, or declare transition= "
                 "and pad_values=)")
-    if isinstance(em.layout(a.get(spec.initial_state)), Sharded):
-        return f"its {spec.initial_state!r} is split by sequence"
+    split = [name for name, v in a.items() if name not in spec.seq_args and isinstance(em.layout(v), Sharded)]
+    if split:
+        return (f"its {split[0]!r} is split by sequence but is not a per-token argument of the contract "
+                "(fix: declare it in seq_args=, or pass the whole tensor)")
     result = fake_value(node)
     extra = [i for i, v in enumerate(result) if v is not None and i not in spec.outputs and i != spec.final_state] \
         if isinstance(result, (tuple, list)) else []
@@ -207,6 +210,9 @@ def _probe(em: Emitter, spec: RecurrenceSpec, run: Dict[str, Any], state: Tuple[
     """The run's map of the state: the kernel from 1 (elementwise) or I (matrix) with the drive zeroed."""
     x = _any_tensor(spec, run)
     probe = dict(run)
+    if spec.homogeneous:  # the kernel drops its own drive (a folded loop: recurrence/loops.py)
+        probe[spec.homogeneous] = True
+        return em.call(operator.getitem, _call(em, spec, probe, em.method("new_ones", x, state)), spec.final_state)
     if spec.transition == "elementwise":
         h = em.method("new_ones", x, state)
         for name in spec.drive:

@@ -1,0 +1,212 @@
+"""Each recurrence loop Dynamo unrolled becomes one kernel call the rewrite can run on each rank's runs.
+
+Before (``for t in range(S): h = a[:, t] * h + x[:, t]; out[:, t] = h``, unrolled)::
+
+    h = zeros(B, D); out = zeros_like(x)
+    a_0 = a[:, 0]; h_1 = a_0 * h; x_0 = x[:, 0]; h_2 = h_1 + x_0; out[:, 0] = h_2
+    a_1 = a[:, 1]; h_3 = a_1 * h_2; ...                                    # S copies of the step
+    ... uses of out (and of the last h)
+
+After::
+
+    h = zeros(B, D)
+    loop = LoopKernel(step)(x0=a, x1=x, initial_state=h)   # the step once, as an FX module
+    out_ = loop[0]                                          # (B, S, D): the writes, a stack along dim 1
+    h_ = loop[1]                                            # the last state
+    ... uses of out_ (and of h_)
+
+:mod:`.loop_steps` finds the loops; the kernel (:mod:`cp_compile.recurrence.loops`) carries its own
+state-passing contract, so the rule for recurrent kernels splits it by runs (elementwise-affine steps
+in parallel from O(state) summaries, any other step serially, warned). A loop is folded only when it
+has one carried state, reads its per-token tensors at its own position, and the kernel reproduces the
+shapes and dtypes of every value it replaces on fake tensors; any other loop is left as traced (its
+reads then gather, warned by the rewrite).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ...recurrence.loops import LoopKernel, StepOutput, StepRead, loop_kernel
+from ...recurrence.spec import RecurrenceSpec
+from ..context import RewriteContext, fake_value, log, source_line
+from .loop_steps import Family, Loop, find_loops
+
+
+def fold_recurrence_loops(gm: fx.GraphModule, ctx: RewriteContext) -> int:
+    """Replace every foldable unrolled loop by one :class:`LoopKernel` call; the count."""
+    count = 0
+    for loop in find_loops(gm):
+        why = _unfoldable(loop)
+        where = source_line(loop.template[0])
+        if why is not None:
+            log.debug("cp_compile: the loop at %s is left as traced: %s", where, why)
+            continue
+        kernel, outputs = _kernel(loop, where)
+        if not _reproduces(kernel, loop, outputs):
+            log.debug("cp_compile: the loop at %s is left as traced (its kernel did not check)", where)
+            continue
+        _replace(gm, loop, kernel, outputs)
+        log.info("cp_compile: the loop at %s (%d steps, %s state) folded into one kernel", where, loop.steps,
+                 kernel.transition)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _unfoldable(loop: Loop) -> Optional[str]:
+    if len(loop.carried) != 1:
+        return f"it carries {len(loop.carried)} values from step to step (one state is folded)"
+    bad = [n for n in loop.reads if _at(loop, n) != 1]
+    if bad:
+        return f"a step reads {bad[0].name} at another position than its own"
+    if not isinstance(fake_value(loop.init[loop.carried[0]]), torch.Tensor):
+        return "its initial state is not a tensor"
+    return None
+
+
+def _at(loop: Loop, read: fx.Node) -> int:
+    fam = loop.reads[read]
+    return next(t for t, ns in fam.nodes.items() if read in ns)
+
+
+def _families(loop: Loop) -> List[Family]:
+    return list(dict.fromkeys(loop.reads.values()))
+
+
+def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
+    """The loop's kernel (its step as an FX module, its contract attached) and its outputs."""
+    graph, env = fx.Graph(), {}
+    carried = loop.carried[0]
+    env[carried] = graph.placeholder("state")
+    fams = _families(loop)
+    slots = {f: graph.placeholder(f"x{i}") for i, f in enumerate(fams)}
+    for read, fam in loop.reads.items():
+        env[read] = slots[fam]
+    for i, o in enumerate(loop.outers):
+        env[o] = graph.placeholder(f"c{i}")
+    for d in loop.derived:  # the next step's first ops, which Dynamo's order put in the previous step
+        env[d] = graph.node_copy(d, lambda a: env[a])
+    writes = {n for n in loop.template if n.target is operator.setitem}
+    for n in loop.template:
+        if n not in writes:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output((env[loop.roles[carried]], *[env[v] for v, _ in loop.collected]))
+    step = fx.GraphModule(torch.nn.Module(), graph)
+    outputs = [_output(c) for _, c in loop.collected]
+    kernel = loop_kernel(step, [StepRead(f.dim, f.index) for f in fams], outputs, len(loop.outers), where)
+    kernel.recurrence_spec = _spec(kernel, fams, loop, outputs)
+    return kernel, outputs
+
+
+def _output(collector: Any) -> StepOutput:
+    if isinstance(collector, Family):
+        return StepOutput("setitem", collector.dim, fake_value(collector.base).dtype)
+    dim = collector.kwargs.get("dim", collector.args[1] if len(collector.args) > 1 else 0)
+    return StepOutput("stack" if collector.target is torch.stack else "cat", dim)
+
+
+def _spec(kernel: LoopKernel, fams: List[Family], loop: Loop, outputs: List[StepOutput]) -> RecurrenceSpec:
+    dims = {}
+    for i, ((_, c), o) in enumerate(zip(loop.collected, outputs)):
+        rank = fake_value(c.base if isinstance(c, Family) else c).dim()
+        dims[i] = o.dim % rank
+    parallel = kernel.transition == "elementwise"
+    return RecurrenceSpec(target=kernel, seq_args={f"x{i}": f.dim for i, f in enumerate(fams)}, outputs=dims,
+                          initial_state="initial_state", final_state=len(outputs), transition=kernel.transition,
+                          homogeneous="homogeneous" if parallel else None)
+
+
+def _kwargs(loop: Loop) -> Dict[str, Any]:
+    kw: Dict[str, Any] = {f"x{i}": f.base for i, f in enumerate(_families(loop))}
+    kw.update({f"c{i}": o for i, o in enumerate(loop.outers)})
+    kw["initial_state"] = loop.init[loop.carried[0]]
+    return kw
+
+
+def _replaced(loop: Loop) -> List[Optional[fx.Node]]:
+    """The nodes whose values the kernel's results replace: each collector (a write family's buffer),
+    then the last state (None when nothing reads it)."""
+    out: List[Optional[fx.Node]] = [c.base if isinstance(c, Family) else c for _, c in loop.collected]
+    return out + [loop.finals.get(loop.carried[0])]
+
+
+def _reproduces(kernel: LoopKernel, loop: Loop, outputs: List[StepOutput]) -> bool:
+    """Whether the kernel gives every replaced value its traced shape and dtype (fake tensors)."""
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            kw = {k: _fresh(fake_value(v)) for k, v in _kwargs(loop).items()}
+            got = kernel(**kw)
+    except Exception as e:  # noqa: BLE001  (any failure: a kernel we cannot run; the loop stays)
+        log.debug("cp_compile: the folded loop failed on fake tensors: %s", e)
+        return False
+    for value, node in zip(got, _replaced(loop)):
+        want = fake_value(node) if node is not None else None
+        if want is not None and (tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype):
+            return False
+    return True
+
+
+def _fresh(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+
+
+def _replace(gm: fx.GraphModule, loop: Loop, kernel: LoopKernel, outputs: List[StepOutput]) -> None:
+    """One kernel call after its last input; the loop's results read from it; the steps erased."""
+    g = gm.graph
+    kw = _kwargs(loop)
+    order = {n: i for i, n in enumerate(g.nodes)}
+    last = max((v for v in kw.values() if isinstance(v, fx.Node)), key=order.__getitem__)
+    with g.inserting_after(last):
+        call = g.call_function(kernel, (), kw)
+    call.meta = {k: v for k, v in loop.template[0].meta.items() if k != "example_value"}
+    items = []
+    prev = call
+    for i, node in enumerate(_replaced(loop)):
+        with g.inserting_after(prev):
+            item = g.call_function(operator.getitem, (call, i))
+        value = fake_value(node) if node is not None else fake_value(loop.roles[loop.carried[0]])
+        item.meta = {**call.meta, "example_value": value}
+        items.append(item)
+        prev = item
+    call.meta["example_value"] = tuple(it.meta["example_value"] for it in items)
+    _reroute(g, loop, items, order)
+    _erase(g, loop)
+
+
+def _reroute(g: fx.Graph, loop: Loop, items: List[fx.Node], order: Dict[fx.Node, int]) -> None:
+    """Every read of a loop result after the loop goes to the kernel's item instead."""
+    claimed = loop.claimed
+    for (_, c), item in zip(loop.collected, items):
+        if isinstance(c, Family):  # the buffer, read after its last write
+            end = max(order[n] for ns in c.nodes.values() for n in ns)
+            later = {u for u in c.base.users if u not in claimed and order.get(u, 1 << 60) > end}
+            c.base.replace_all_uses_with(item, delete_user_cb=later.__contains__)
+        else:
+            c.replace_all_uses_with(item)
+    final = loop.finals.get(loop.carried[0])
+    if final is not None:
+        final.replace_all_uses_with(items[-1], delete_user_cb=lambda u: u not in claimed)
+
+
+def _erase(g: fx.Graph, loop: Loop) -> None:
+    """The steps, their reads and writes, the collectors, and what only they read (a written buffer)."""
+    dead = set(loop.claimed) | {c for _, c in loop.collected if isinstance(c, fx.Node)}
+    for node in reversed(list(g.nodes)):
+        if node in dead and not node.users:
+            inputs = node.all_input_nodes
+            g.erase_node(node)
+            dead.update(a for a in inputs if a.op in ("call_function", "call_method") and not a.users
+                        and a.target is not operator.setitem)
+
+
+__all__ = ["fold_recurrence_loops"]

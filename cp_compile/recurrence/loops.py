@@ -1,0 +1,207 @@
+"""A recurrence written as a Python loop, folded back into one kernel that runs any number of steps.
+
+Dynamo unrolls ``for t in range(S): h = step(h, x[:, t]); out[:, t] = y`` into S copies of the step.
+:mod:`cp_compile.passes.normalize.fold_loops` recognises the copies and replaces them by one call of
+a :class:`LoopKernel`, which holds the step once as an FX module and runs it over however many steps
+its per-token arguments hold::
+
+    kernel(x0=a (B, S, D), x1=x (B, S, D), c0=w, initial_state=h0 (B, D))
+        for t in range(S):   h, y = step(h, a[:, t], x[:, t], w)      # the user's own step, op for op
+        -> (stack(y_t, dim=1) (B, S, D), h (B, D))                     # outputs, then the final state
+
+The kernel honours the state-passing contract of :mod:`.spec` (``initial_state`` in, the final state
+out), so the rule for registered kernels (``passes/propagate/rules/recurrence.py``) runs it on each
+rank's runs. How the runs combine depends on the step, read off its graph by :func:`homogeneous_step`:
+
+* the new state is elementwise affine in the old, ``h' = a ⊙ h + b`` (``a``, ``b`` free of ``h``:
+  Mamba's sequential scan, RG-LRU, a decayed running sum): ``transition="elementwise"``, and the
+  kernel's ``homogeneous=True`` runs the step with every term free of ``h`` dropped from the state's
+  path (``h' = a ⊙ h``), which gives a run's map ``M`` from ``h = 1``;
+* anything else (a state squared, a max, a matrix product with the state): ``"serial"``, the state
+  handed rank to rank in global order (exact, memory 1/N, one run at a time; warned by the rule).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepRead:
+    """How a step reads one per-token tensor: ``x[index with the step's position at ``dim``]``."""
+
+    dim: int
+    index: Tuple[Any, ...]  # the traced index, with the position's entry replaced by None
+
+    def at(self, x: Tensor, t: int) -> Tensor:
+        return x[tuple(t if i == self.dim else e for i, e in enumerate(self.index))]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """How the loop collected one per-step value: ``torch.stack`` / ``torch.cat`` of the list (with the
+    collector's own dim), or the writes ``buf[..., t, ...] = y`` into a buffer of ``dtype`` (a stack
+    along ``dim``)."""
+
+    kind: str  # "stack" | "cat" | "setitem"
+    dim: int
+    dtype: Optional[torch.dtype] = None
+
+    def collect(self, ys: List[Tensor]) -> Tensor:
+        if self.kind == "cat":
+            return torch.cat(ys, self.dim)
+        out = torch.stack(ys, self.dim)
+        return out if self.dtype is None else out.to(self.dtype)
+
+
+class LoopKernel:
+    """One folded loop (module docstring): call it with keywords ``x0..`` (per-token tensors),
+    ``c0..`` (whatever else the step reads), ``initial_state`` and ``homogeneous``."""
+
+    def __init__(self, step: fx.GraphModule, homogeneous: Optional[fx.GraphModule], reads: Sequence[StepRead],
+                 outputs: Sequence[StepOutput], others: int, where: str) -> None:
+        self.step, self.hom = step, homogeneous
+        self.reads, self.outputs, self.others = tuple(reads), tuple(outputs), others
+        self.where = where
+        self.__name__ = self.__qualname__ = f"loop_at_{_slug(where)}"
+        self.__module__ = __name__
+        params = [inspect.Parameter(f"x{i}", inspect.Parameter.KEYWORD_ONLY) for i in range(len(self.reads))]
+        params += [inspect.Parameter(f"c{i}", inspect.Parameter.KEYWORD_ONLY) for i in range(others)]
+        params += [inspect.Parameter("initial_state", inspect.Parameter.KEYWORD_ONLY),
+                   inspect.Parameter("homogeneous", inspect.Parameter.KEYWORD_ONLY, default=False)]
+        self.__signature__ = inspect.Signature(params)
+
+    @property
+    def transition(self) -> str:
+        return "elementwise" if self.hom is not None else "serial"
+
+    def __call__(self, *, initial_state: Tensor, homogeneous: bool = False, **kw: Tensor) -> Tuple[Any, ...]:
+        xs = [kw[f"x{i}"] for i in range(len(self.reads))]
+        others = [kw[f"c{i}"] for i in range(self.others)]
+        steps = xs[0].shape[self.reads[0].dim]
+        if homogeneous:
+            if self.hom is None:
+                raise RuntimeError(f"cp_compile: the loop at {self.where} is not elementwise affine in its state")
+            h = initial_state
+            for t in range(steps):
+                h = self.hom(h, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
+            return (*[None] * len(self.outputs), h)
+        h, ys = initial_state, [[] for _ in self.outputs]  # type: Tensor, List[List[Tensor]]
+        for t in range(steps):
+            h, *got = self.step(h, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
+            for acc, y in zip(ys, got):
+                acc.append(y)
+        return (*[o.collect(y) for o, y in zip(self.outputs, ys)], h)
+
+
+def _slug(where: str) -> str:
+    tail = where.rsplit("/", 1)[-1].split(":", 2)
+    return "_".join(p for p in tail[:2] if p).replace(".", "_").replace(" ", "_") or "graph"
+
+
+# --- is the step elementwise affine in its state? -----------------------------------------------
+
+_MUL = {operator.mul, torch.mul, "mul"}
+_DIV = {operator.truediv, torch.div, "div"}
+_ADD = {operator.add, torch.add, "add"}
+_SUB = {operator.sub, torch.sub, "sub"}
+_NEG = {operator.neg, torch.neg, "neg"}
+_SAME = {"type", "to", "float", "double", "half", "bfloat16", "contiguous", "clone", torch.clone}
+
+
+def _kind(node: fx.Node) -> Any:
+    return node.target if node.op in ("call_function", "call_method") else None
+
+
+def homogeneous_step(step: fx.GraphModule) -> Optional[fx.GraphModule]:
+    """The step's state path with every term free of the state dropped, ``(h, *rest) -> a ⊙ h``, when the
+    new state (the step's first output) is elementwise affine in ``h`` (its first input); else None.
+
+    Allowed on the state's path: ``*`` and ``/`` by values free of ``h``, ``+``/``-`` (of two such
+    paths or one and a free value), negation, casts and copies; anything else (``h * h``, ``max``,
+    ``matmul(w, h)``, a view that moves entries) is not elementwise affine."""
+    graph, env = fx.Graph(), {}
+    dep: Dict[fx.Node, fx.Node] = {}  # node on the state's path -> its homogeneous part in `graph`
+    out = step.graph.output_node().args[0][0]
+    needed = _ancestors(out)  # the per-step outputs' own ops (y_t = C_t h_t, ...) are not the state's
+    for n in step.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(n.name)
+            if len(env) == 1:  # the state
+                dep[n] = env[n]
+            continue
+        if n.op == "output" or n not in needed:
+            continue
+        env[n] = graph.node_copy(n, lambda a: env[a])
+        if any(a in dep for a in n.all_input_nodes):
+            hom = _homogeneous(graph, n, env, dep)
+            if hom is None:
+                return None
+            dep[n] = hom
+    if out not in dep:
+        return None  # the new state does not read the old: not a recurrence of it
+    graph.output(dep[out])
+    graph.eliminate_dead_code()
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _ancestors(node: fx.Node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _homogeneous(graph: fx.Graph, n: fx.Node, env: Dict[fx.Node, fx.Node],
+                 dep: Dict[fx.Node, fx.Node]) -> Optional[fx.Node]:
+    """``n``'s homogeneous part (it reads the state's path), or None when ``n`` is not affine there."""
+    kind, args = _kind(n), n.args
+    on = [isinstance(a, fx.Node) and a in dep for a in args]
+    if n.kwargs and kind not in _SAME:
+        return None
+    if kind in _SAME and on[0] and not any(on[1:]):
+        return graph.node_copy(n, lambda a: dep[a] if a in dep else env[a])
+    if kind in _NEG and len(args) == 1:
+        return graph.call_function(operator.neg, (dep[args[0]],))
+    if len(args) != 2:
+        return None
+    x, y = args
+    if kind in _MUL and on.count(True) == 1:
+        return graph.call_function(operator.mul, (dep[x], _value(env, y)) if on[0] else (_value(env, x), dep[y]))
+    if kind in _DIV and on == [True, False]:
+        return graph.call_function(operator.truediv, (dep[x], _value(env, y)))
+    if kind in _ADD | _SUB:
+        if on == [True, True]:
+            return graph.call_function(operator.add if kind in _ADD else operator.sub, (dep[x], dep[y]))
+        if on[0]:
+            return dep[x]
+        return dep[y] if kind in _ADD else graph.call_function(operator.neg, (dep[y],))
+    return None
+
+
+def _value(env: Dict[fx.Node, fx.Node], a: Any) -> Any:
+    return env[a] if isinstance(a, fx.Node) else a
+
+
+def loop_kernel(step: fx.GraphModule, reads: Sequence[StepRead], outputs: Sequence[StepOutput], others: int,
+                where: str) -> LoopKernel:
+    """The kernel of a folded loop, its transition read off the step (module docstring)."""
+    return LoopKernel(step, homogeneous_step(step), reads, outputs, others, where)
+
+
+def is_loop_kernel(target: Callable) -> bool:
+    return isinstance(target, LoopKernel)
+
+
+__all__ = ["LoopKernel", "StepOutput", "StepRead", "homogeneous_step", "is_loop_kernel", "loop_kernel"]

@@ -1,0 +1,191 @@
+"""Recurrences written as Python loops (Dynamo unrolls them) under ring_cp: folded into one kernel,
+run on each rank's runs from the state entering each run, exact, never gathered.
+
+    for t in range(S):  h = step(h, x[:, t]);  out[:, t] = y   |   ys.append(y) ... torch.stack(ys, 1)
+
+cp_compile.passes.normalize.fold_loops turns the S unrolled copies back into one LoopKernel call; the
+rule for recurrent kernels then runs it per run: in parallel from O(state) summaries when the step
+is elementwise affine in its state, else the state handed rank to rank (warned). Styles, each a
+loop written the way a model library writes it: RG-LRU's ``_rnn_scan`` (writes into a preallocated
+buffer, fp32 casts, ``.to(device)`` of the state), Mamba's sequential scan (a list and
+``torch.stack``, the output a matmul with the new state), an output read from the state *before*
+the update (lightning attention's order), an Elman RNN (``tanh(h W + x_t)``: not affine, serial),
+and a hybrid with attention. Reference: the same model eager on one process, fp64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from checks import explain_record, grad_errors, loss_through_ring_cp, rel, twin_models
+
+E, D, N = 8, 6, 4
+TOL = 1e-5
+
+
+class RgLru(nn.Module):
+    """RG-LRU's scan as recurrent_gemma writes it: a gated decay, a buffer written per position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.inp, self.out = nn.Linear(E, D), nn.Linear(E, D), nn.Linear(D, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, u = torch.sigmoid(self.gate(x)), self.inp(x)  # (B, S, D)
+        h = torch.zeros(u[:, 0].shape, dtype=torch.float32, device=u.device)
+        out = torch.zeros_like(u)
+        for t in range(u.shape[1]):
+            h = a[:, t].type(torch.float32) * h.to(a.device)
+            h = h + u[:, t].type(torch.float32)
+            out[:, t] = h.type(u.dtype)
+        return (self.out(out) + x).square().mean()
+
+
+class MambaLoop(nn.Module):
+    """Mamba's sequential selective scan: (B, D, S, N) decays and drives, y_t = h_t C_t, a list stacked."""
+
+    def __init__(self, attention: bool = False) -> None:
+        super().__init__()
+        self.attention = attention
+        self.inp = nn.Linear(E, D + 1 + 2 * N)
+        self.A = nn.Parameter(-torch.rand(D, N) - 0.5)
+        self.out = nn.Linear(D, E)
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        u, dt, Bm, C = self.inp(x).split([D, 1, N, N], -1)
+        dt = F.softplus(dt).transpose(1, 2)  # (B, 1, S)
+        da = torch.exp(self.A[None, :, None, :] * dt[..., None])  # (B, D, S, N)
+        db = dt[..., None] * Bm[:, None] * u.transpose(1, 2)[..., None]  # (B, D, S, N)
+        h = torch.zeros(b, D, N, dtype=x.dtype, device=x.device)
+        ys = []
+        for i in range(s):
+            h = da[:, :, i, :] * h + db[:, :, i, :]
+            ys.append(torch.matmul(h, C[:, i, :].unsqueeze(-1))[:, :, 0])  # (B, D)
+        y = self.out(torch.stack(ys, dim=-1).transpose(1, 2)) + x  # (B, S, E)
+        if self.attention:
+            q, k, v = self.qkv(y).view(b, s, 3, 2, E // 2).permute(2, 0, 3, 1, 4)
+            y = y + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, E)
+        return y.square().mean()
+
+
+class ReadBeforeUpdate(nn.Module):
+    """A decayed running sum whose output reads the state entering the step (then updates it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decay = nn.Parameter(torch.rand(D) * 0.5 + 0.4)
+        self.q, self.v, self.out = nn.Linear(E, D), nn.Linear(E, D), nn.Linear(D, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, v = self.q(x), self.v(x)
+        h = torch.zeros(x.shape[0], D, dtype=x.dtype)
+        outs = []
+        for t in range(x.shape[1]):
+            outs.append(q[:, t] * h + v[:, t])  # reads h_{t-1}
+            h = self.decay * h - 0.5 * v[:, t]
+        return self.out(torch.stack(outs, 1)).square().mean()
+
+
+class Elman(nn.Module):
+    """h_t = tanh(h_{t-1} W + x_t): not affine in the state, so the state is handed rank to rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(E, D), nn.Linear(D, E)
+        self.W = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.inp(x)
+        h = torch.zeros(x.shape[0], D, dtype=x.dtype)
+        out = torch.empty_like(u)
+        for t in range(x.shape[1]):
+            h = torch.tanh(h @ self.W + u[:, t])
+            out[:, t] = h
+        return self.out(out).square().mean()
+
+
+MODELS = {"rglru": RgLru, "mamba": MambaLoop, "read_before_update": ReadBeforeUpdate, "elman": Elman,
+          "hybrid": lambda: MambaLoop(attention=True)}
+TRANSITIONS = {"rglru": "elementwise", "mamba": "elementwise", "read_before_update": "elementwise",
+               "elman": "serial", "hybrid": "elementwise"}
+
+
+def _compare(kind: str, seq: int, load_balance: str) -> dict:
+    ref_model, cp_model = twin_models(lambda: MODELS[kind]().double())
+    x = torch.randn(2, seq, E, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,), attention=kind == "hybrid",
+                                             load_balance=load_balance)
+    return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
+            "fallbacks": backend.fallbacks, "recurrences": [r.recurrences for r in backend.records],
+            "gathers": _gathers(backend)}
+
+
+def _gathers(backend) -> int:
+    from cp_compile.graph_ops import gather_seq
+
+    return sum(n.target is gather_seq for gm in backend.graphs for n in gm.graph.nodes)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind,world,seq,lb", [
+    ("rglru", 2, 15, "zigzag"),
+    ("mamba", 2, 16, "contiguous"),
+    ("read_before_update", 2, 17, "zigzag"),
+    ("elman", 2, 16, "zigzag"),
+    pytest.param("hybrid", 4, 16, "zigzag", marks=pytest.mark.slow),
+    pytest.param("rglru", 4, 13, "contiguous", marks=pytest.mark.slow),
+    pytest.param("elman", 4, 15, "contiguous", marks=pytest.mark.slow),
+])
+def test_a_loop_recurrence_is_exact_and_never_gathered(ranks, kind, world, seq, lb) -> None:
+    for rank, r in enumerate(ranks.run(world, _compare, kind, seq, lb, timeout=300)):
+        assert r["loss"] <= TOL and max(r["grads"].values()) <= TOL, (rank, r)
+        assert not r["fallbacks"] and r["gathers"] == 0, (rank, r)
+        assert [len(x) for x in r["recurrences"]] == [1], (rank, r)
+        line = r["recurrences"][0][0]
+        assert line.startswith("loop_at_") and ("serial" in line) == (TRANSITIONS[kind] == "serial"), (rank, line)
+
+
+# -- the fold itself (one process): every style one kernel call, the same numbers ------------------
+
+@pytest.mark.parametrize("kind", ["rglru", "mamba", "read_before_update", "elman"])
+def test_every_unrolled_loop_becomes_one_kernel_call(kind) -> None:
+    from cp_compile.group import CPGroup
+    from cp_compile.passes.context import RewriteContext
+    from cp_compile.passes.normalize.fold_loops import fold_recurrence_loops
+    from cp_compile.recurrence.loops import is_loop_kernel
+
+    model = MODELS[kind]().double()
+    x = torch.randn(2, 11, E, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(model, backend=lambda gm, ex: graphs.append((gm, ex)) or gm, fullgraph=True)(x)
+    gm, inputs = graphs[0]
+    want = gm(*inputs)
+    before = len(gm.graph.nodes)
+    assert fold_recurrence_loops(gm, RewriteContext(group=CPGroup(pg=None, rank=0, size=2))) == 1
+    [call] = [n for n in gm.graph.nodes if n.op == "call_function" and is_loop_kernel(n.target)]
+    assert call.target.transition == TRANSITIONS[kind]
+    assert len(gm.graph.nodes) < before // 3, gm.code  # the 11 copies are gone
+    torch.testing.assert_close(gm(*inputs), want, rtol=1e-12, atol=1e-12)
+
+
+def test_explain_names_the_loop_its_state_and_bytes() -> None:
+    record = explain_record(MambaLoop().double(), (torch.randn(2, 16, E, dtype=torch.float64),), world_size=4,
+                            rank=1)
+    assert not record.fallbacks, record.fallbacks
+    [line] = record.recurrences
+    # the map and the final state, (B, D, N) each, fp64, from N·k = 4·2 runs
+    assert f"{4 * 2 * 2 * (2 * D * N) * 8} B received per rank" in line and "elementwise" in line, line
+
+
+def test_a_serial_loop_is_warned(caplog) -> None:
+    with caplog.at_level("WARNING", logger="cp_compile"):
+        record = explain_record(Elman().double(), (torch.randn(2, 16, E, dtype=torch.float64),), world_size=2)
+    [line] = record.recurrences
+    assert "serial" in line, line
+    assert any("passed rank to rank" in m and "loop_at_" in m for m in caplog.messages), caplog.messages
