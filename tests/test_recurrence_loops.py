@@ -10,7 +10,8 @@ loop written the way a model library writes it: RG-LRU's ``_rnn_scan`` (writes i
 buffer, fp32 casts, ``.to(device)`` of the state), Mamba's sequential scan (a list and
 ``torch.stack``, the output a matmul with the new state), an output read from the state *before*
 the update (lightning attention's order), an Elman RNN (``tanh(h W + x_t)``: not affine, serial),
-and a hybrid with attention. Reference: the same model eager on one process, fp64.
+two states side by side (a numerator and a denominator: packed, parallel), RWKV's wkv loop (three
+states and a running max: serial), and a hybrid with attention. Reference: the same model eager on one process, fp64.
 """
 
 from __future__ import annotations
@@ -109,10 +110,58 @@ class Elman(nn.Module):
         return self.out(out).square().mean()
 
 
+class TwoStates(nn.Module):
+    """Normalised decayed linear attention: a numerator and a denominator carried side by side, each
+    elementwise affine in itself (two states packed into one, run in parallel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.k, self.v, self.q = nn.Linear(E, D), nn.Linear(E, D), nn.Linear(E, D), nn.Linear(E, D)
+        self.out = nn.Linear(D, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, k, v, q = torch.sigmoid(self.gate(x)), torch.exp(self.k(x).clamp(max=3)), self.v(x), self.q(x)
+        num = torch.zeros(x.shape[0], D, dtype=x.dtype)
+        den = torch.ones(x.shape[0], D, dtype=x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            num = a[:, t] * num + k[:, t] * v[:, t]
+            den = a[:, t] * den + k[:, t]
+            ys.append(q[:, t] * num / den)
+        return self.out(torch.stack(ys, 1)).square().mean()
+
+
+class Wkv(nn.Module):
+    """RWKV's CPU wkv loop: a numerator, a denominator and a running max for stability, the initial
+    states shaped after ``zeros_like(k[:, 0])``; the max is not affine, so the three pass serially."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # no key bias: the wkv average is invariant to a shift of every key, so its gradient would be 0
+        self.k, self.v, self.out = nn.Linear(E, D, bias=False), nn.Linear(E, D), nn.Linear(D, E)
+        self.time_decay, self.time_first = nn.Parameter(torch.randn(D) * 0.3), nn.Parameter(torch.randn(D) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, v = self.k(x), self.v(x)
+        out = torch.zeros_like(k)
+        num, den = torch.zeros_like(k[:, 0]), torch.zeros_like(k[:, 0])
+        mx = torch.zeros_like(k[:, 0]) - 1e38
+        w = -torch.exp(self.time_decay)
+        for t in range(k.shape[1]):
+            kt, vt = k[:, t], v[:, t]
+            m_out = torch.maximum(mx, kt + self.time_first)
+            e1, e2 = torch.exp(mx - m_out), torch.exp(kt + self.time_first - m_out)
+            out[:, t] = (e1 * num + e2 * vt) / (e1 * den + e2)
+            m_next = torch.maximum(mx + w, kt)
+            e1, e2 = torch.exp(mx + w - m_next), torch.exp(kt - m_next)
+            num, den, mx = e1 * num + e2 * vt, e1 * den + e2, m_next
+        return self.out(out).square().mean()
+
+
 MODELS = {"rglru": RgLru, "mamba": MambaLoop, "read_before_update": ReadBeforeUpdate, "elman": Elman,
-          "hybrid": lambda: MambaLoop(attention=True)}
+          "hybrid": lambda: MambaLoop(attention=True), "two_states": TwoStates, "wkv": Wkv}
 TRANSITIONS = {"rglru": "elementwise", "mamba": "elementwise", "read_before_update": "elementwise",
-               "elman": "serial", "hybrid": "elementwise"}
+               "elman": "serial", "hybrid": "elementwise", "two_states": "elementwise", "wkv": "serial"}
 
 
 def _compare(kind: str, seq: int, load_balance: str) -> dict:
@@ -137,6 +186,9 @@ def _gathers(backend) -> int:
     ("mamba", 2, 16, "contiguous"),
     ("read_before_update", 2, 17, "zigzag"),
     ("elman", 2, 16, "zigzag"),
+    ("two_states", 2, 15, "zigzag"),
+    ("wkv", 2, 16, "contiguous"),
+    pytest.param("two_states", 4, 16, "contiguous", marks=pytest.mark.slow),
     pytest.param("hybrid", 4, 16, "zigzag", marks=pytest.mark.slow),
     pytest.param("rglru", 4, 13, "contiguous", marks=pytest.mark.slow),
     pytest.param("elman", 4, 15, "contiguous", marks=pytest.mark.slow),
@@ -152,7 +204,7 @@ def test_a_loop_recurrence_is_exact_and_never_gathered(ranks, kind, world, seq, 
 
 # -- the fold itself (one process): every style one kernel call, the same numbers ------------------
 
-@pytest.mark.parametrize("kind", ["rglru", "mamba", "read_before_update", "elman"])
+@pytest.mark.parametrize("kind", ["rglru", "mamba", "read_before_update", "elman", "two_states", "wkv"])
 def test_every_unrolled_loop_becomes_one_kernel_call(kind) -> None:
     from cp_compile.group import CPGroup
     from cp_compile.passes.context import RewriteContext
@@ -188,4 +240,18 @@ def test_a_serial_loop_is_warned(caplog) -> None:
         record = explain_record(Elman().double(), (torch.randn(2, 16, E, dtype=torch.float64),), world_size=2)
     [line] = record.recurrences
     assert "serial" in line, line
-    assert any("passed rank to rank" in m and "loop_at_" in m for m in caplog.messages), caplog.messages
+    # the reason names the op that is not affine in the state (tanh) and its source line
+    assert any("passed rank to rank" in m and "loop_at_" in m and "(`tanh` reads it at " in m
+               and "test_recurrence_loops.py" in m for m in caplog.messages), caplog.messages
+
+
+def test_initial_states_shaped_after_a_token_fetch_no_row() -> None:
+    """``zeros_like(k[:, 0])`` reads only a shape: the rewrite takes a local token, no position is
+    fetched from its owner (no ``where(position == 0)`` + all-reduce, three times per layer)."""
+    from cp_compile.tools.explain import explain_model
+
+    rep = explain_model(Wkv().double(), (torch.randn(2, 16, E, dtype=torch.float64),), world_size=2)
+    assert not rep.fallbacks, rep.fallbacks
+    assert not [n for n in rep.after.graph.nodes if n.target is torch.where], rep.after.code
+    assert sum(n.target is torch.zeros_like for n in rep.after.graph.nodes) == 3, rep.after.code
+

@@ -41,6 +41,14 @@ def source_line(node: fx.Node) -> str:
     return f"{where}: {code}" if code else where
 
 
+_LIKE = (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
+
+
+def reads_only_shape(node: fx.Node) -> bool:
+    """Whether ``node`` reads only its first argument's shape, dtype and device (``zeros_like(x)``)."""
+    return node.op == "call_function" and node.target in _LIKE and len(node.args) >= 1
+
+
 def fake_value(node: fx.Node) -> Any:
     """Dynamo's fake value of ``node`` (``example_value``; ``val`` on graphs traced by other means)."""
     return node.meta.get("example_value", node.meta.get("val"))

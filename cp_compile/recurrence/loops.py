@@ -19,11 +19,18 @@ rank's runs. How the runs combine depends on the step, read off its graph by :fu
   path (``h' = a ⊙ h``), which gives a run's map ``M`` from ``h = 1``;
 * anything else (a state squared, a max, a matrix product with the state): ``"serial"``, the state
   handed rank to rank in global order (exact, memory 1/N, one run at a time; warned by the rule).
+
+A loop may carry several tensors (RWKV's numerator, denominator and running max). The contract has
+one state, so the kernel's ``initial_state`` and final state are then the states flattened and
+concatenated, ``cat([h0.reshape(-1), h1.reshape(-1), ...])`` (:meth:`LoopKernel.pack`), and the
+kernel unpacks them around the steps. Packing keeps elements apart, so an elementwise map of each
+state is an elementwise map of the packed one.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -67,10 +74,13 @@ class LoopKernel:
     ``c0..`` (whatever else the step reads), ``initial_state`` and ``homogeneous``."""
 
     def __init__(self, step: fx.GraphModule, homogeneous: Optional[fx.GraphModule], reads: Sequence[StepRead],
-                 outputs: Sequence[StepOutput], others: int, where: str) -> None:
+                 outputs: Sequence[StepOutput], others: int, where: str,
+                 states: Optional[Sequence[Tuple[int, ...]]] = None) -> None:
         self.step, self.hom = step, homogeneous
+        self.states = None if states is None or len(states) < 2 else tuple(tuple(s) for s in states)
         self.reads, self.outputs, self.others = tuple(reads), tuple(outputs), others
         self.where = where
+        self.serial_reason: Optional[str] = None  # why the step is not elementwise affine (loop_kernel sets it)
         self.__name__ = self.__qualname__ = f"loop_at_{_slug(where)}"
         self.__module__ = __name__
         params = [inspect.Parameter(f"x{i}", inspect.Parameter.KEYWORD_ONLY) for i in range(len(self.reads))]
@@ -87,19 +97,35 @@ class LoopKernel:
         xs = [kw[f"x{i}"] for i in range(len(self.reads))]
         others = [kw[f"c{i}"] for i in range(self.others)]
         steps = xs[0].shape[self.reads[0].dim]
+        k = 1 if self.states is None else len(self.states)
+        hs = self.unpack(initial_state)
         if homogeneous:
             if self.hom is None:
                 raise RuntimeError(f"cp_compile: the loop at {self.where} is not elementwise affine in its state")
-            h = initial_state
             for t in range(steps):
-                h = self.hom(h, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
-            return (*[None] * len(self.outputs), h)
-        h, ys = initial_state, [[] for _ in self.outputs]  # type: Tensor, List[List[Tensor]]
+                got = self.hom(*hs, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
+                hs = list(got) if k > 1 else [got]
+            return (*[None] * len(self.outputs), self.pack(*hs))
+        ys: List[List[Tensor]] = [[] for _ in self.outputs]
         for t in range(steps):
-            h, *got = self.step(h, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
-            for acc, y in zip(ys, got):
+            got = self.step(*hs, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
+            hs = list(got[:k])
+            for acc, y in zip(ys, got[k:]):
                 acc.append(y)
-        return (*[o.collect(y) for o, y in zip(self.outputs, ys)], h)
+        return (*[o.collect(y) for o, y in zip(self.outputs, ys)], self.pack(*hs))
+
+    def pack(self, *states: Tensor) -> Tensor:
+        """The one state of the contract: the state itself, or several flattened and concatenated."""
+        if self.states is None:
+            return states[0]
+        return torch.cat([s.reshape(-1) for s in states])
+
+    def unpack(self, state: Tensor) -> List[Tensor]:
+        """The loop's own states from the contract's one (:meth:`pack` undone)."""
+        if self.states is None:
+            return [state]
+        sizes = [math.prod(s) for s in self.states]
+        return [p.view(s) for p, s in zip(torch.split(state, sizes), self.states)]
 
 
 def _slug(where: str) -> str:
@@ -121,36 +147,67 @@ def _kind(node: fx.Node) -> Any:
     return node.target if node.op in ("call_function", "call_method") else None
 
 
-def homogeneous_step(step: fx.GraphModule) -> Optional[fx.GraphModule]:
+def homogeneous_step(step: fx.GraphModule, states: int = 1) -> Optional[fx.GraphModule]:
     """The step's state path with every term free of the state dropped, ``(h, *rest) -> a ⊙ h``, when the
     new state (the step's first output) is elementwise affine in ``h`` (its first input); else None.
+    With ``states`` k > 1 the first k inputs and outputs are the states, and each new state must be
+    elementwise affine in its own old state alone (``h0' = a ⊙ h0 + b ⊙ h1`` is linear but mixes
+    states: not elementwise); the module then returns the k homogeneous parts.
 
     Allowed on the state's path: ``*`` and ``/`` by values free of ``h``, ``+``/``-`` (of two such
     paths or one and a free value), negation, casts and copies; anything else (``h * h``, ``max``,
     ``matmul(w, h)``, a view that moves entries) is not elementwise affine."""
+    got = _state_path(step, states)
+    return got if isinstance(got, fx.GraphModule) else None
+
+
+def not_elementwise(step: fx.GraphModule, states: int = 1) -> Optional[str]:
+    """Why :func:`homogeneous_step` finds no homogeneous part (the op and its source line), or None."""
+    got = _state_path(step, states)
+    return None if isinstance(got, fx.GraphModule) else got
+
+
+def _state_path(step: fx.GraphModule, states: int) -> Any:
+    """:func:`homogeneous_step`'s module, or the reason there is none (a string)."""
     graph, env = fx.Graph(), {}
-    dep: Dict[fx.Node, fx.Node] = {}  # node on the state's path -> its homogeneous part in `graph`
-    out = step.graph.output_node().args[0][0]
-    needed = _ancestors(out)  # the per-step outputs' own ops (y_t = C_t h_t, ...) are not the state's
+    dep: Dict[fx.Node, fx.Node] = {}  # node on a state's path -> its homogeneous part in `graph`
+    owner: Dict[fx.Node, int] = {}  # node on a state's path -> the state it reads
+    outs = list(step.graph.output_node().args[0][:states])
+    needed = set().union(*[_ancestors(o) for o in outs])  # the per-step outputs' own ops are not the state's
     for n in step.graph.nodes:
         if n.op == "placeholder":
             env[n] = graph.placeholder(n.name)
-            if len(env) == 1:  # the state
-                dep[n] = env[n]
+            if len(env) <= states:
+                dep[n], owner[n] = env[n], len(env) - 1
             continue
         if n.op == "output" or n not in needed:
             continue
         env[n] = graph.node_copy(n, lambda a: env[a])
-        if any(a in dep for a in n.all_input_nodes):
+        reads = {owner[a] for a in n.all_input_nodes if a in dep}
+        if len(reads) > 1:
+            return f"{_op_name(n)} mixes two of its states{_line(n)}"
+        if reads:
             hom = _homogeneous(graph, n, env, dep)
             if hom is None:
-                return None
-            dep[n] = hom
-    if out not in dep:
-        return None  # the new state does not read the old: not a recurrence of it
-    graph.output(dep[out])
+                return f"{_op_name(n)} reads it{_line(n)}"
+            dep[n], owner[n] = hom, reads.pop()
+    if any(o not in dep or owner[o] != i for i, o in enumerate(outs)):
+        return "a new state does not read its own old value"
+    graph.output(dep[outs[0]] if states == 1 else tuple(dep[o] for o in outs))
     graph.eliminate_dead_code()
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _op_name(n: fx.Node) -> str:
+    target = n.target
+    return f"`{getattr(target, '__name__', target)}`"
+
+
+def _line(n: fx.Node) -> str:
+    from ..passes.fx_utils import source_line  # compile-time helpers only (no cycle at import)
+
+    where = source_line(n)
+    return f" at {where}" if where != "<unknown source>" else ""
 
 
 def _ancestors(node: fx.Node) -> set:
@@ -195,13 +252,19 @@ def _value(env: Dict[fx.Node, fx.Node], a: Any) -> Any:
 
 
 def loop_kernel(step: fx.GraphModule, reads: Sequence[StepRead], outputs: Sequence[StepOutput], others: int,
-                where: str) -> LoopKernel:
-    """The kernel of a folded loop, its transition read off the step (module docstring)."""
-    return LoopKernel(step, homogeneous_step(step), reads, outputs, others, where)
+                where: str, states: Optional[Sequence[Tuple[int, ...]]] = None) -> LoopKernel:
+    """The kernel of a folded loop, its transition read off the step (module docstring). ``states``:
+    the shapes of the loop's states when it carries more than one (they are packed into one)."""
+    k = 1 if states is None else len(states)
+    got = _state_path(step, k)
+    kernel = LoopKernel(step, got if isinstance(got, fx.GraphModule) else None, reads, outputs, others, where, states)
+    kernel.serial_reason = None if isinstance(got, fx.GraphModule) else got
+    return kernel
 
 
 def is_loop_kernel(target: Callable) -> bool:
     return isinstance(target, LoopKernel)
 
 
-__all__ = ["LoopKernel", "StepOutput", "StepRead", "homogeneous_step", "is_loop_kernel", "loop_kernel"]
+__all__ = ["LoopKernel", "StepOutput", "StepRead", "homogeneous_step", "is_loop_kernel", "loop_kernel",
+           "not_elementwise"]

@@ -17,10 +17,12 @@ After::
 
 :mod:`.loop_steps` finds the loops; the kernel (:mod:`cp_compile.recurrence.loops`) carries its own
 state-passing contract, so the rule for recurrent kernels splits it by runs (elementwise-affine steps
-in parallel from O(state) summaries, any other step serially, warned). A loop is folded only when it
-has one carried state, reads its per-token tensors at its own position, and the kernel reproduces the
-shapes and dtypes of every value it replaces on fake tensors; any other loop is left as traced (its
-reads then gather, warned by the rewrite).
+in parallel from O(state) summaries, any other step serially, warned). A loop that carries several
+tensors gets them packed into the contract's one state (``cat`` of the flattened initial states before
+the call, each last state a slice of the kernel's, viewed back). A loop is folded only when its states
+are tensors of one dtype and fixed shapes, it reads its per-token tensors at its own position, and
+the kernel reproduces the shapes and dtypes of every value it replaces on fake tensors; any other
+loop is left as traced (its reads then gather, warned by the rewrite).
 """
 
 from __future__ import annotations
@@ -62,14 +64,23 @@ def fold_recurrence_loops(gm: fx.GraphModule, ctx: RewriteContext) -> int:
 
 
 def _unfoldable(loop: Loop) -> Optional[str]:
-    if len(loop.carried) != 1:
-        return f"it carries {len(loop.carried)} values from step to step (one state is folded)"
     bad = [n for n in loop.reads if _at(loop, n) != 1]
     if bad:
         return f"a step reads {bad[0].name} at another position than its own"
-    if not isinstance(fake_value(loop.init[loop.carried[0]]), torch.Tensor):
-        return "its initial state is not a tensor"
+    inits = [fake_value(loop.init[c]) for c in loop.carried]
+    if not all(isinstance(v, torch.Tensor) for v in inits):
+        return "an initial state is not a tensor"
+    if len(inits) > 1 and (len({v.dtype for v in inits}) > 1
+                           or not all(isinstance(s, int) for v in inits for s in v.shape)):
+        return "its states differ in dtype or have symbolic shapes (several states are packed into one)"
     return None
+
+
+def _shapes(loop: Loop) -> Optional[List[Tuple[int, ...]]]:
+    """The states' shapes when the loop carries several (packed into one), else None."""
+    if len(loop.carried) < 2:
+        return None
+    return [tuple(fake_value(loop.init[c]).shape) for c in loop.carried]
 
 
 def _at(loop: Loop, read: fx.Node) -> int:
@@ -84,8 +95,8 @@ def _families(loop: Loop) -> List[Family]:
 def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
     """The loop's kernel (its step as an FX module, its contract attached) and its outputs."""
     graph, env = fx.Graph(), {}
-    carried = loop.carried[0]
-    env[carried] = graph.placeholder("state")
+    for i, c in enumerate(loop.carried):
+        env[c] = graph.placeholder(f"state{i}" if len(loop.carried) > 1 else "state")
     fams = _families(loop)
     slots = {f: graph.placeholder(f"x{i}") for i, f in enumerate(fams)}
     for read, fam in loop.reads.items():
@@ -98,10 +109,12 @@ def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
     for n in loop.template:
         if n not in writes:
             env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output((env[loop.roles[carried]], *[env[v] for v, _ in loop.collected]))
+    graph.output((*[env[loop.roles[c]] for c in loop.carried], *[env[v] for v, _ in loop.collected]))
+    graph.eliminate_dead_code()  # a carried value's next copy that the state's re-rooting made dead
     step = fx.GraphModule(torch.nn.Module(), graph)
     outputs = [_output(c) for _, c in loop.collected]
-    kernel = loop_kernel(step, [StepRead(f.dim, f.index) for f in fams], outputs, len(loop.outers), where)
+    kernel = loop_kernel(step, [StepRead(f.dim, f.index) for f in fams], outputs, len(loop.outers), where,
+                         _shapes(loop))
     kernel.recurrence_spec = _spec(kernel, fams, loop, outputs)
     return kernel, outputs
 
@@ -124,26 +137,28 @@ def _spec(kernel: LoopKernel, fams: List[Family], loop: Loop, outputs: List[Step
                           homogeneous="homogeneous" if parallel else None)
 
 
-def _kwargs(loop: Loop) -> Dict[str, Any]:
+def _kwargs(loop: Loop, initial_state: Any) -> Dict[str, Any]:
     kw: Dict[str, Any] = {f"x{i}": f.base for i, f in enumerate(_families(loop))}
     kw.update({f"c{i}": o for i, o in enumerate(loop.outers)})
-    kw["initial_state"] = loop.init[loop.carried[0]]
+    kw["initial_state"] = initial_state
     return kw
 
 
 def _replaced(loop: Loop) -> List[Optional[fx.Node]]:
     """The nodes whose values the kernel's results replace: each collector (a write family's buffer),
-    then the last state (None when nothing reads it)."""
+    then the last state of each carried value (None when nothing reads it)."""
     out: List[Optional[fx.Node]] = [c.base if isinstance(c, Family) else c for _, c in loop.collected]
-    return out + [loop.finals.get(loop.carried[0])]
+    return out + [loop.finals.get(c) for c in loop.carried]
 
 
 def _reproduces(kernel: LoopKernel, loop: Loop, outputs: List[StepOutput]) -> bool:
     """Whether the kernel gives every replaced value its traced shape and dtype (fake tensors)."""
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            kw = {k: _fresh(fake_value(v)) for k, v in _kwargs(loop).items()}
-            got = kernel(**kw)
+            init = kernel.pack(*[_fresh(fake_value(loop.init[c])) for c in loop.carried])
+            kw = {k: _fresh(fake_value(v)) for k, v in _kwargs(loop, None).items() if k != "initial_state"}
+            got = kernel(initial_state=init, **kw)
+            got = (*got[:-1], *kernel.unpack(got[-1]))
     except Exception as e:  # noqa: BLE001  (any failure: a kernel we cannot run; the loop stays)
         log.debug("cp_compile: the folded loop failed on fake tensors: %s", e)
         return False
@@ -163,28 +178,69 @@ def _fresh(v: Any) -> Any:
 def _replace(gm: fx.GraphModule, loop: Loop, kernel: LoopKernel, outputs: List[StepOutput]) -> None:
     """One kernel call after its last input; the loop's results read from it; the steps erased."""
     g = gm.graph
-    kw = _kwargs(loop)
     order = {n: i for i, n in enumerate(g.nodes)}
-    last = max((v for v in kw.values() if isinstance(v, fx.Node)), key=order.__getitem__)
-    with g.inserting_after(last):
-        call = g.call_function(kernel, (), kw)
-    call.meta = {k: v for k, v in loop.template[0].meta.items() if k != "example_value"}
-    items = []
+    meta = {k: v for k, v in loop.template[0].meta.items() if k != "example_value"}
+    inputs = [v for v in _kwargs(loop, None).values() if isinstance(v, fx.Node)] + [loop.init[c] for c in loop.carried]
+    prev = max(inputs, key=order.__getitem__)
+    init, prev = _packed_init(g, loop, kernel, prev, meta)
+    with g.inserting_after(prev):
+        call = g.call_function(kernel, (), _kwargs(loop, init))
+    call.meta = dict(meta)
+    items: List[Optional[fx.Node]] = []
     prev = call
-    for i, node in enumerate(_replaced(loop)):
-        with g.inserting_after(prev):
-            item = g.call_function(operator.getitem, (call, i))
-        value = fake_value(node) if node is not None else fake_value(loop.roles[loop.carried[0]])
-        item.meta = {**call.meta, "example_value": value}
-        items.append(item)
-        prev = item
-    call.meta["example_value"] = tuple(it.meta["example_value"] for it in items)
+    for i, node in enumerate(_replaced(loop)[:len(loop.collected)]):
+        prev = _node_after(g, prev, operator.getitem, (call, i), meta, fake_value(node))
+        items.append(prev)
+    finals = [fake_value(loop.roles[c]) if loop.finals.get(c) is None else fake_value(loop.finals[c])
+              for c in loop.carried]
+    packed = kernel.pack(*finals) if len(finals) > 1 else finals[0]
+    prev = flat = _node_after(g, prev, operator.getitem, (call, len(loop.collected)), meta, packed)
+    call.meta["example_value"] = (*[it.meta["example_value"] for it in items], packed)
+    offset = 0
+    for c, value in zip(loop.carried, finals):
+        final = loop.finals.get(c)
+        if len(finals) > 1 and (final is None or all(u in loop.claimed for u in final.users)):  # not read after
+            items.append(None)
+        elif len(finals) > 1:
+            part = (slice(offset, offset + value.numel()),)
+            prev = _node_after(g, prev, operator.getitem, (flat, part), meta, packed[part[0]])
+            prev = _node_after(g, prev, "view", (prev, tuple(value.shape)), meta, value)
+            items.append(prev)
+        else:
+            items.append(prev)
+        offset += value.numel()
     _reroute(g, loop, items, order)
     _erase(g, loop)
 
 
-def _reroute(g: fx.Graph, loop: Loop, items: List[fx.Node], order: Dict[fx.Node, int]) -> None:
-    """Every read of a loop result after the loop goes to the kernel's item instead."""
+def _packed_init(g: fx.Graph, loop: Loop, kernel: LoopKernel, prev: fx.Node,
+                 meta: Dict[str, Any]) -> Tuple[fx.Node, fx.Node]:
+    """The contract's initial state: the one carried value's, or ``cat`` of the flattened initial
+    states (inserted after ``prev``); and the last node inserted."""
+    inits = [loop.init[c] for c in loop.carried]
+    if len(inits) == 1:
+        return inits[0], prev
+    flat = []
+    for i in inits:
+        v = fake_value(i)
+        prev = _node_after(g, prev, "reshape", (i, -1), meta, v.reshape(-1))
+        flat.append(prev)
+    value = kernel.pack(*[fake_value(i) for i in inits])
+    prev = _node_after(g, prev, torch.cat, (flat,), meta, value)
+    return prev, prev
+
+
+def _node_after(g: fx.Graph, prev: fx.Node, target: Any, args: Tuple[Any, ...], meta: Dict[str, Any],
+                value: Any) -> fx.Node:
+    with g.inserting_after(prev):
+        node = g.call_method(target, args) if isinstance(target, str) else g.call_function(target, args)
+    node.meta = {**meta, "example_value": value}
+    return node
+
+
+def _reroute(g: fx.Graph, loop: Loop, items: List[Optional[fx.Node]], order: Dict[fx.Node, int]) -> None:
+    """Every read of a loop result after the loop goes to the kernel's item instead (``items``: the
+    collected values, then each carried value's last state)."""
     claimed = loop.claimed
     for (_, c), item in zip(loop.collected, items):
         if isinstance(c, Family):  # the buffer, read after its last write
@@ -193,9 +249,10 @@ def _reroute(g: fx.Graph, loop: Loop, items: List[fx.Node], order: Dict[fx.Node,
             c.base.replace_all_uses_with(item, delete_user_cb=later.__contains__)
         else:
             c.replace_all_uses_with(item)
-    final = loop.finals.get(loop.carried[0])
-    if final is not None:
-        final.replace_all_uses_with(items[-1], delete_user_cb=lambda u: u not in claimed)
+    for c, item in zip(loop.carried, items[len(loop.collected):]):
+        final = loop.finals.get(c)
+        if final is not None:
+            final.replace_all_uses_with(item, delete_user_cb=lambda u: u not in claimed)
 
 
 def _erase(g: fx.Graph, loop: Loop) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
-from ..fx_utils import fake_value
+from ..fx_utils import fake_value, reads_only_shape
 
 _ALL = slice(None, None, None)
 _COLLECTORS = (torch.stack, torch.cat)
@@ -97,8 +97,9 @@ def _families(gm: fx.GraphModule) -> List[Family]:
         if n.op != "call_function" or n.target not in (operator.getitem, operator.setitem):
             continue
         base = n.args[0]
-        if not isinstance(base, fx.Node) or not isinstance(fake_value(base), torch.Tensor):
-            continue
+        if not isinstance(base, fx.Node) or not isinstance(fake_value(base), torch.Tensor) \
+                or (n.users and all(reads_only_shape(u) for u in n.users)):
+            continue  # `zeros_like(x[:, 0])` before the loop reads a shape, not a step's token
         pos = _position(n.args[1])
         if pos is None:
             continue
@@ -262,7 +263,28 @@ class _Unifier:
         for t in range(2, self.T):
             if self._complete(t) and t < self.T - 1:  # the last step may lack what nothing reads (removed)
                 return None
-        return self._loop(carried)
+        return self._loop(self._reroot(carried))
+
+    def _reroot(self, carried: List[fx.Node]) -> List[fx.Node]:
+        """Carried values whose next value the last step lacks, taken back to the state they are one
+        op of. RG-LRU's ``h = a_t * h.to(device) + x_t`` carries ``h.to(device)``; the loop's last
+        ``.to`` is never traced, and what the graph reads after the loop is the last ``h``. The state
+        is then ``h`` (its next value the template's ``h``, its initial value what the first ``.to``
+        read), and ``h.to(device)`` a derived value the step recomputes from it (:meth:`_split`)."""
+        last = self.inst[self.T - 1]
+        out = list(carried)
+        for c in carried:
+            role = self.roles[c]
+            srcs = [a for a in role.all_input_nodes if a in self.members]
+            inits = [a for a in self.init[c].all_input_nodes if a not in self.step]
+            if role in last or len(srcs) != 1 or srcs[0] not in last or srcs[0] not in self.inst[0] \
+                    or len(inits) != 1 or self.inst[0][srcs[0]] not in c.all_input_nodes:
+                continue
+            state = self.inst[0][srcs[0]]
+            self.roles[state], self.init[state] = srcs[0], inits[0]
+            out.append(state)
+        order = {n: i for i, n in enumerate(self.template[0].graph.nodes)}
+        return sorted(dict.fromkeys(out), key=order.__getitem__)
 
     def _loop(self, carried: List[fx.Node]) -> Optional[Loop]:
         """The Loop, once every use of a step's values outside the steps is a collector or a final state."""

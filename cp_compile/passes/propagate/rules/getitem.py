@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 
 from ...context import fake_value, global_shape, log, source_line
+from ...fx_utils import reads_only_shape
 from ...op_vocab import arguments
 from ..placements import GLOBAL, Sharded
 from .common import _flat_args
@@ -73,22 +74,32 @@ def getitem(em: Any, node: fx.Node):
             out_dim += 1
             continue
         if in_dim == s.dim:
-            if _covers(i, global_shape(x)[in_dim], em.ctx.seq_sym is not None):
-                return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim)
-            if type(i) is int and s.inner == 1 and node.meta.get("example_value", None) is not None \
-                    and node.meta["example_value"].dtype is not torch.bool:
-                return _pick_position(em, x, s, index, at, i), GLOBAL
-            whole = em.whole_input(x)
-            if whole is not None:  # every rank was passed this input whole: slice that, no communication
-                return em.copy(node, (whole, em.value(node.args[1])), {}), GLOBAL
-            window = _window(em, x, s, i)
-            if window is None:
-                return em.fallback(node, f"slicing the sequence dim with {i!r}")
-            local_index = tuple(em.value(index[j]) if j != at else slice(None) for j in range(len(index)))
-            return em.copy(node, (em.env[x], local_index), {}), Sharded(out_dim, 1, window)
+            return _index_seq_dim(em, node, s, index, at, out_dim)
         out_dim += 0 if isinstance(i, int) else 1
         in_dim += 1
     return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim + s.dim - in_dim)
+
+
+def _index_seq_dim(em: Any, node: fx.Node, s: Sharded, index: tuple, at: int, out_dim: int):
+    """``x[index]`` whose entry ``index[at]`` falls on the sequence dim ``s.dim`` (it lands at ``out_dim``)."""
+    x, i = node.args[0], index[at]
+    if _covers(i, global_shape(x)[s.dim], em.ctx.seq_sym is not None):
+        return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim)
+    if type(i) is int and node.users and all(reads_only_shape(u) for u in node.users):
+        # `zeros_like(x[:, 0])`: any local token has the row's shape; no row is fetched
+        local = tuple(em.value(index[j]) if j != at else 0 for j in range(len(index)))
+        return em.copy(node, (em.env[x], local), {}), GLOBAL
+    if type(i) is int and s.inner == 1 and node.meta.get("example_value", None) is not None \
+            and node.meta["example_value"].dtype is not torch.bool:
+        return _pick_position(em, x, s, index, at, i), GLOBAL
+    whole = em.whole_input(x)
+    if whole is not None:  # every rank was passed this input whole: slice that, no communication
+        return em.copy(node, (whole, em.value(node.args[1])), {}), GLOBAL
+    window = _window(em, x, s, i)
+    if window is None:
+        return em.fallback(node, f"slicing the sequence dim with {i!r}")
+    local_index = tuple(em.value(index[j]) if j != at else slice(None) for j in range(len(index)))
+    return em.copy(node, (em.env[x], local_index), {}), Sharded(out_dim, 1, window)
 
 
 @window_aware

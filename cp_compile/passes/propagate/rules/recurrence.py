@@ -169,11 +169,17 @@ def _fresh(v: Any) -> Any:
 
 
 def _local(em: Emitter, spec: RecurrenceSpec, name: str, x: fx.Node) -> fx.Node:
-    """``x``'s local rows (indexed if whole), padding rows set to the argument's identity value."""
+    """``x``'s local rows (indexed if whole), padding rows set to the argument's identity value. A folded
+    loop declares none (its final state is refused when padded): its padding rows copy the rank's first
+    row, a real token, so the step's outputs there stay finite (``num / den`` of a zero row is NaN, whose
+    backward would poison every gradient although no real token reads the padding)."""
     d = _norm(spec.seq_args[name], _ndim(x))
     local = em.env[x] if isinstance(em.layout(x), Sharded) else em.to_sharded(x, d)
     mask = em.valid_mask(x, local, d, 1)
-    return local if mask is None else em.call(torch.where, mask, local, spec.pad_value(name))
+    if mask is None:
+        return local
+    fill = em.method("narrow", local, d, 0, 1) if is_loop_kernel(spec.target) else spec.pad_value(name)
+    return em.call(torch.where, mask, local, fill)
 
 
 def _run_args(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any], j: int, length: int) -> Dict[str, Any]:
@@ -315,7 +321,12 @@ def _record(em: Emitter, node: fx.Node, spec: RecurrenceSpec, state: Tuple[int, 
     entry = StatePassed(node=node.name, kernel=spec.name, where=source_line(node), transition=spec.transition,
                         state=state, runs=runs, bytes=sent)
     em.ctx.state_passed.append(entry)
-    if spec.transition == "serial":
+    if spec.transition == "serial" and is_loop_kernel(spec.target):
+        log.warning("cp_compile: the recurrence loop %s at %s is not elementwise affine in its state (%s): its state "
+                    "is passed rank to rank in global order (exact, memory 1/N, but the %d runs one after "
+                    "another). A step h' = a * h + b (a, b free of h) runs the runs in parallel (docs/api.md).",
+                    spec.name, entry.where, spec.target.serial_reason, em.ctx.world * runs)
+    elif spec.transition == "serial":
         log.warning("cp_compile: recurrent kernel %s at %s declares transition='serial': its state is passed rank to "
                     "rank in global order (exact, memory 1/N, but the %d runs one after another). Fix: declare "
                     "transition='elementwise' or 'matrix' with its drive= arguments (docs/api.md).",
