@@ -104,6 +104,9 @@ AT_MOST: Dict[str, int] = {
     **_names(EXPERT_FFN, "shared_intermediate_size"),  # 0 = no shared expert
     **_names(WINDOW, "sliding_window", "sliding_window_size", "attention_window", "local_attention",
              "attention_window_size", "local_attention_window_len", "attention_chunk_size"),  # < S: it matters
+    # a chunked recurrence's chunks (Mamba-2's SSD, lightning attention's blocks, xLSTM): several per
+    # sequence, so the tiny model crosses chunk boundaries as a long one does
+    **_names(WINDOW, "chunk_size", "mamba_chunk_size", "block_size"),
 }
 # Hybrid stacks placing a kind of layer every ``period`` layers from ``offset`` (Jamba's attention
 # every 8th from the 4th): both kinds within the 2 layers.

@@ -54,6 +54,9 @@ SLOW = {
         # run totals (rules/scans.py), no gather.
         "roberta": "ring",
         "lfm2": "ring",  # a hybrid: short causal convolutions (conv1d(x)[..., :S]: a halo exchange) and attention
+        # RG-LRU written as a Python loop into a buffer (unrolled by Dynamo, folded back into one step,
+        # state-passed in parallel) beside local attention
+        "recurrent_gemma": "ring",
         "deberta": "no CP, warned",  # disentangled attention, a learned relative bias: left whole, warned
         "xglm": "no CP, warned",  # hand-written attention in a form ring_cp does not recognise, warned
         # Sequence classification over two lengths (characters, then every 4th): refused by name.

@@ -11,7 +11,9 @@ buffer, fp32 casts, ``.to(device)`` of the state), Mamba's sequential scan (a li
 ``torch.stack``, the output a matmul with the new state), an output read from the state *before*
 the update (lightning attention's order), an Elman RNN (``tanh(h W + x_t)``: not affine, serial),
 two states side by side (a numerator and a denominator: packed, parallel), RWKV's wkv loop (three
-states and a running max: serial), and a hybrid with attention. Reference: the same model eager on one process, fp64.
+states and a running max: serial), lightning attention's block loop (a step per block of C tokens,
+``x[:, i*C:(i+1)*C]``: each rank's runs hold whole blocks), and a hybrid with attention.
+Reference: the same model eager on one process, fp64.
 """
 
 from __future__ import annotations
@@ -158,10 +160,66 @@ class Wkv(nn.Module):
         return self.out(out).square().mean()
 
 
+class BlockLoop(nn.Module):
+    """Lightning attention's block loop (MiniMax): per block of C tokens, decayed attention inside the
+    block plus the block's queries against the state, then the state decayed by the block and updated
+    by its keys and values: ``kv = kv * exp(-s C) + (k * kdecay)ᵀ v``. The outputs are a list
+    concatenated, or (``buffer``) written into a preallocated buffer block by block."""
+
+    def __init__(self, buffer: bool = False, block: int = 4) -> None:
+        super().__init__()
+        self.buffer, self.block = buffer, block
+        self.qkv, self.out = nn.Linear(E, 3 * D), nn.Linear(D, E)
+        self.slope = 0.3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        c = self.block
+        q, k, v = self.qkv(x).chunk(3, -1)  # (B, S, D) each
+        idx = torch.arange(c, dtype=x.dtype)
+        q_decay = torch.exp(-self.slope * (idx + 1))[:, None]  # (C, 1)
+        k_decay = torch.exp(-self.slope * (c - 1 - idx))[:, None]  # (C, 1)
+        diff = idx[:, None] - idx[None, :]
+        diag = torch.where(diff >= 0, torch.exp(-self.slope * diff), torch.zeros_like(diff))  # (C, C) causal
+        block_decay = torch.exp(torch.tensor(-self.slope * c, dtype=x.dtype))
+        kv = torch.zeros(b, D, D, dtype=x.dtype)
+        outs, buf = [], torch.empty_like(q)
+        for i in range((s + c - 1) // c):
+            lo, hi = i * c, min((i + 1) * c, s)
+            qi, ki, vi = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi]
+            y = ((qi @ ki.transpose(1, 2)) * diag) @ vi + (qi * q_decay) @ kv
+            if self.buffer:
+                buf[:, lo:hi] = y
+            else:
+                outs.append(y)
+            kv = kv * block_decay + (ki * k_decay).transpose(1, 2) @ vi
+        y = buf if self.buffer else torch.cat(outs, 1)
+        return self.out(y).square().mean()
+
+
+class PerHead(nn.Module):
+    """Attention one head at a time, summed into an accumulator: a loop with a carried value that is
+    not a recurrence over the tokens (it runs over heads, its steps hold attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(E, 3 * E), nn.Linear(E // 2, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, E // 4).permute(2, 0, 3, 1, 4)  # (B, 4 heads, S, 2) each
+        acc = torch.zeros(b, 1, s, E // 4, dtype=x.dtype)
+        for h in range(4):  # q[:, h:h+1]: (B, 1, S, 2), a block of one head
+            acc = acc + F.scaled_dot_product_attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], is_causal=True)
+        return self.out(torch.cat([acc[:, 0], x[..., :E // 4]], -1)).square().mean()
+
+
 MODELS = {"rglru": RgLru, "mamba": MambaLoop, "read_before_update": ReadBeforeUpdate, "elman": Elman,
-          "hybrid": lambda: MambaLoop(attention=True), "two_states": TwoStates, "wkv": Wkv}
+          "hybrid": lambda: MambaLoop(attention=True), "two_states": TwoStates, "wkv": Wkv, "blocks": BlockLoop,
+          "block_buffer": lambda: BlockLoop(buffer=True)}
 TRANSITIONS = {"rglru": "elementwise", "mamba": "elementwise", "read_before_update": "elementwise",
-               "elman": "serial", "hybrid": "elementwise", "two_states": "elementwise", "wkv": "serial"}
+               "elman": "serial", "hybrid": "elementwise", "two_states": "elementwise", "wkv": "serial",
+               "blocks": "elementwise", "block_buffer": "elementwise"}
 
 
 def _compare(kind: str, seq: int, load_balance: str) -> dict:
@@ -188,6 +246,9 @@ def _gathers(backend) -> int:
     ("elman", 2, 16, "zigzag"),
     ("two_states", 2, 15, "zigzag"),
     ("wkv", 2, 16, "contiguous"),
+    ("blocks", 2, 16, "zigzag"),  # runs of 4 tokens: one block each
+    ("block_buffer", 2, 24, "contiguous"),  # runs of 12: three blocks each
+    pytest.param("blocks", 4, 32, "zigzag", marks=pytest.mark.slow),
     pytest.param("two_states", 4, 16, "contiguous", marks=pytest.mark.slow),
     pytest.param("hybrid", 4, 16, "zigzag", marks=pytest.mark.slow),
     pytest.param("rglru", 4, 13, "contiguous", marks=pytest.mark.slow),
@@ -204,7 +265,8 @@ def test_a_loop_recurrence_is_exact_and_never_gathered(ranks, kind, world, seq, 
 
 # -- the fold itself (one process): every style one kernel call, the same numbers ------------------
 
-@pytest.mark.parametrize("kind", ["rglru", "mamba", "read_before_update", "elman", "two_states", "wkv"])
+@pytest.mark.parametrize("kind", ["rglru", "mamba", "read_before_update", "elman", "two_states", "wkv", "blocks",
+                                  "block_buffer"])
 def test_every_unrolled_loop_becomes_one_kernel_call(kind) -> None:
     from cp_compile.group import CPGroup
     from cp_compile.passes.context import RewriteContext
@@ -212,7 +274,7 @@ def test_every_unrolled_loop_becomes_one_kernel_call(kind) -> None:
     from cp_compile.recurrence.loops import is_loop_kernel
 
     model = MODELS[kind]().double()
-    x = torch.randn(2, 11, E, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x = torch.randn(2, 12, E, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     graphs = []
     torch._dynamo.reset()
     torch.compile(model, backend=lambda gm, ex: graphs.append((gm, ex)) or gm, fullgraph=True)(x)
@@ -222,7 +284,8 @@ def test_every_unrolled_loop_becomes_one_kernel_call(kind) -> None:
     assert fold_recurrence_loops(gm, RewriteContext(group=CPGroup(pg=None, rank=0, size=2))) == 1
     [call] = [n for n in gm.graph.nodes if n.op == "call_function" and is_loop_kernel(n.target)]
     assert call.target.transition == TRANSITIONS[kind]
-    assert len(gm.graph.nodes) < before // 3, gm.code  # the 11 copies are gone
+    steps = 12 // 4 if kind.startswith("block") else 12  # blocks of 4 tokens, or positions
+    assert len(gm.graph.nodes) < before * (1 if steps > 3 else 2) // 3, gm.code  # the copies are gone
     torch.testing.assert_close(gm(*inputs), want, rtol=1e-12, atol=1e-12)
 
 
@@ -254,4 +317,33 @@ def test_initial_states_shaped_after_a_token_fetch_no_row() -> None:
     assert not rep.fallbacks, rep.fallbacks
     assert not [n for n in rep.after.graph.nodes if n.target is torch.where], rep.after.code
     assert sum(n.target is torch.zeros_like for n in rep.after.graph.nodes) == 3, rep.after.code
+
+
+
+def test_runs_that_would_cut_a_block_are_refused_by_name() -> None:
+    """Blocks of 4 and runs of 3 tokens (S = 12 on 2 ranks, zig-zag): the runs would cut the model's
+    blocks, so the kernel is gathered (exact) and the WARNING says why and which lengths work."""
+    record = explain_record(BlockLoop().double(), (torch.randn(2, 12, E, dtype=torch.float64),), world_size=2)
+    assert not record.recurrences, record.recurrences
+    [why] = [f for f in record.fallbacks if "loop_at_" in f]
+    assert "chunks of 4 tokens" in why and "runs hold 3" in why and "multiple of 16" in why, why
+    ok = explain_record(BlockLoop().double(), (torch.randn(2, 16, E, dtype=torch.float64),), world_size=2)
+    assert not ok.fallbacks and len(ok.recurrences) == 1, (ok.fallbacks, ok.recurrences)
+
+
+def _per_head(seq: int) -> dict:
+    ref_model, cp_model = twin_models(lambda: PerHead().double())
+    x = torch.randn(2, seq, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,))  # every attention the ring
+    return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
+            "recurrences": [r.recurrences for r in backend.records], "rings": [r.rings for r in backend.records]}
+
+
+@pytest.mark.multirank
+def test_a_loop_over_heads_is_left_to_the_ring(ranks) -> None:
+    """A loop whose steps hold attention (over heads, not tokens) is not folded: each head's attention is
+    the ring, exact, and no recurrence is recorded."""
+    for rank, r in enumerate(ranks.run(2, _per_head, 16, timeout=300)):
+        assert r["loss"] <= TOL and max(r["grads"].values()) <= TOL, (rank, r)
+        assert r["recurrences"] == [[]] and r["rings"] == [4], (rank, r)
 

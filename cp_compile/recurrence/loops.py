@@ -43,29 +43,43 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class StepRead:
-    """How a step reads one per-token tensor: ``x[index with the step's position at ``dim``]``."""
+    """How a step reads one per-token tensor: ``x[index with the step's position at ``dim``]``, or,
+    with ``chunk`` C, the step's chunk ``t*C:(t+1)*C`` there."""
 
     dim: int
     index: Tuple[Any, ...]  # the traced index, with the position's entry replaced by None
+    chunk: Optional[int] = None
 
     def at(self, x: Tensor, t: int) -> Tensor:
-        return x[tuple(t if i == self.dim else e for i, e in enumerate(self.index))]
+        here = t if self.chunk is None else slice(t * self.chunk, (t + 1) * self.chunk)
+        return x[tuple(here if i == self.dim else e for i, e in enumerate(self.index))]
+
+    def steps(self, x: Tensor) -> int:
+        size = x.shape[self.dim]
+        if self.chunk is None:
+            return size
+        if size % self.chunk:
+            raise RuntimeError(f"cp_compile: a folded loop reads chunks of {self.chunk} tokens; it was given "
+                               f"{size} (not a multiple)")
+        return size // self.chunk
 
 
 @dataclass(frozen=True)
 class StepOutput:
     """How the loop collected one per-step value: ``torch.stack`` / ``torch.cat`` of the list (with the
     collector's own dim), or the writes ``buf[..., t, ...] = y`` into a buffer of ``dtype`` (a stack
-    along ``dim``)."""
+    along ``dim``; chunk writes ``buf[..., t*C:(t+1)*C, ...] = y``: a cat)."""
 
     kind: str  # "stack" | "cat" | "setitem"
     dim: int
     dtype: Optional[torch.dtype] = None
+    chunk: Optional[int] = None  # the setitem writes chunks
 
     def collect(self, ys: List[Tensor]) -> Tensor:
-        if self.kind == "cat":
-            return torch.cat(ys, self.dim)
-        out = torch.stack(ys, self.dim)
+        if self.kind == "cat" or self.chunk is not None:
+            out = torch.cat(ys, self.dim)
+        else:
+            out = torch.stack(ys, self.dim)
         return out if self.dtype is None else out.to(self.dtype)
 
 
@@ -96,7 +110,7 @@ class LoopKernel:
     def __call__(self, *, initial_state: Tensor, homogeneous: bool = False, **kw: Tensor) -> Tuple[Any, ...]:
         xs = [kw[f"x{i}"] for i in range(len(self.reads))]
         others = [kw[f"c{i}"] for i in range(self.others)]
-        steps = xs[0].shape[self.reads[0].dim]
+        steps = self.reads[0].steps(xs[0])
         k = 1 if self.states is None else len(self.states)
         hs = self.unpack(initial_state)
         if homogeneous:

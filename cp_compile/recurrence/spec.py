@@ -54,6 +54,9 @@ class RecurrenceSpec:
             homogeneous recurrence ``h_t = A_t h_{t-1}`` itself (a folded loop's kernel: :mod:`.loops`).
         when: arguments the contract holds for only with these values (``{"reverse": False,
             "cu_seqlens": None}``); a call with any other value is run on the gathered sequence, warned.
+        chunk: tokens per step of a kernel that steps through its sequence in chunks it cannot cut (a
+            folded chunk loop: lightning attention's blocks); each run must hold a multiple of it, so
+            the runs keep the single-device chunk grid. 1: any run length.
     """
 
     target: Callable
@@ -67,6 +70,7 @@ class RecurrenceSpec:
     homogeneous: Optional[str] = None
     pad_values: Mapping[str, float] = field(default_factory=dict)
     when: Mapping[str, Any] = field(default_factory=dict)
+    chunk: int = 1
 
     def __post_init__(self) -> None:
         _check(self)
@@ -114,6 +118,8 @@ def _check(spec: RecurrenceSpec) -> None:
     bad = [d for d in spec.drive if d not in spec.seq_args]
     if bad:
         raise ValueError(f"{where}: drive names {bad}, which are not in seq_args. Fix: drive arguments are per-token.")
+    if not isinstance(spec.chunk, int) or spec.chunk < 1:
+        raise ValueError(f"{where}: chunk={spec.chunk!r}; it is the tokens per step, an int >= 1.")
     if spec.final_state in spec.outputs:
         raise ValueError(f"{where}: output {spec.final_state} is both the final state and a per-token output.")
 

@@ -44,7 +44,7 @@ def fold_recurrence_loops(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     """Replace every foldable unrolled loop by one :class:`LoopKernel` call; the count."""
     count = 0
     for loop in find_loops(gm):
-        why = _unfoldable(loop)
+        why = _unfoldable(loop) or _not_the_sequence(loop, ctx)
         where = source_line(loop.template[0])
         if why is not None:
             log.debug("cp_compile: the loop at %s is left as traced: %s", where, why)
@@ -73,6 +73,19 @@ def _unfoldable(loop: Loop) -> Optional[str]:
     if len(inits) > 1 and (len({v.dtype for v in inits}) > 1
                            or not all(isinstance(s, int) for v in inits for s in v.shape)):
         return "its states differ in dtype or have symbolic shapes (several states are packed into one)"
+    return None
+
+
+def _not_the_sequence(loop: Loop, ctx: RewriteContext) -> Optional[str]:
+    """Why a loop is not a recurrence over the attention's sequence (a loop over heads or layers, left to
+    the rules node by node), or None. With no attention in the graph its length is the sequence's."""
+    held = [n.name for n in ctx.attention if n in loop.claimed]
+    if held:
+        return f"its steps hold attention ({held[0]}), each split by its own rule"
+    fam = _families(loop)[0]
+    length = fake_value(fam.base).shape[fam.dim]
+    if ctx.attention and length != ctx.seq_len:
+        return f"it runs along a dim of {length}, not the attention's sequence of {ctx.seq_len}"
     return None
 
 
@@ -113,15 +126,15 @@ def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
     graph.eliminate_dead_code()  # a carried value's next copy that the state's re-rooting made dead
     step = fx.GraphModule(torch.nn.Module(), graph)
     outputs = [_output(c) for _, c in loop.collected]
-    kernel = loop_kernel(step, [StepRead(f.dim, f.index) for f in fams], outputs, len(loop.outers), where,
-                         _shapes(loop))
+    kernel = loop_kernel(step, [StepRead(f.dim, f.index, f.chunk) for f in fams], outputs, len(loop.outers),
+                         where, _shapes(loop))
     kernel.recurrence_spec = _spec(kernel, fams, loop, outputs)
     return kernel, outputs
 
 
 def _output(collector: Any) -> StepOutput:
     if isinstance(collector, Family):
-        return StepOutput("setitem", collector.dim, fake_value(collector.base).dtype)
+        return StepOutput("setitem", collector.dim, fake_value(collector.base).dtype, collector.chunk)
     dim = collector.kwargs.get("dim", collector.args[1] if len(collector.args) > 1 else 0)
     return StepOutput("stack" if collector.target is torch.stack else "cat", dim)
 
@@ -134,7 +147,7 @@ def _spec(kernel: LoopKernel, fams: List[Family], loop: Loop, outputs: List[Step
     parallel = kernel.transition == "elementwise"
     return RecurrenceSpec(target=kernel, seq_args={f"x{i}": f.dim for i, f in enumerate(fams)}, outputs=dims,
                           initial_state="initial_state", final_state=len(outputs), transition=kernel.transition,
-                          homogeneous="homogeneous" if parallel else None)
+                          homogeneous="homogeneous" if parallel else None, chunk=fams[0].chunk or 1)
 
 
 def _kwargs(loop: Loop, initial_state: Any) -> Dict[str, Any]:

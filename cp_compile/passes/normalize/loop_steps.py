@@ -2,7 +2,8 @@
 
 A loop ``for t in range(T)`` over a tensor's dim leaves *families* of reads in the graph: the same
 tensor indexed with the same index but for one entry, the positions 0..T-1 of one dim
-(``x[:, 0]``, ``x[:, 1]``, ... ``x[:, T-1]``), and, where the loop writes into a buffer, families of
+(``x[:, 0]``, ``x[:, 1]``, ... ``x[:, T-1]``) or its chunks of C (``x[:, 0:C]``, ``x[:, C:2C]``, ...:
+lightning attention's block loop), and, where the loop writes into a buffer, families of
 ``buf[:, t] = y`` writes. Each node then belongs to the step of the latest position it reads
 (:func:`_steps`). Step 1's nodes are the template; every other step must be a copy of it
 (:class:`_Unifier`): the same ops, reading the same family at its own position, the same values
@@ -40,6 +41,7 @@ class Family:
     dim: int
     index: Tuple[Any, ...]  # the index with None at ``dim``
     write: bool
+    chunk: Optional[int] = None  # tokens per step when the step reads ``x[:, t*C:(t+1)*C]``; None: ``x[:, t]``
     nodes: Dict[int, List[fx.Node]] = field(default_factory=dict)
 
     @property
@@ -74,20 +76,32 @@ def find_loops(gm: fx.GraphModule) -> List[Loop]:
     return found
 
 
-def _position(index: Any) -> Optional[Tuple[int, int, Tuple[Any, ...]]]:
-    """(dim, t, index with None at dim) of ``x[index]`` whose first int entry is a position after
-    only full slices; else None."""
+def _position(index: Any) -> Optional[Tuple[int, int, Tuple[Any, ...], Optional[int]]]:
+    """(dim, t, index with None at dim, chunk) of ``x[index]`` whose first entry other than a full slice
+    is a position ``t`` (chunk None) or a chunk ``t*C:(t+1)*C`` (chunk C); else None."""
     entries = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(x, fx.Node) for x in entries):
+        return None
     for d, e in enumerate(entries):
-        if isinstance(e, bool) or isinstance(e, fx.Node):
+        if isinstance(e, bool):
             return None
+        rest = tuple(None if i == d else x for i, x in enumerate(entries))
         if isinstance(e, int):
-            if e < 0 or any(isinstance(x, fx.Node) for x in entries):
-                return None
-            return d, e, tuple(None if i == d else x for i, x in enumerate(entries))
+            return (d, e, rest, None) if e >= 0 else None
+        if isinstance(e, slice) and e != _ALL:
+            c = _chunk(e)
+            return None if c is None else (d, e.start // c, rest, c)
         if e != _ALL:
             return None
     return None
+
+
+def _chunk(s: slice) -> Optional[int]:
+    """C of a slice ``t*C:(t+1)*C`` (start and stop ints, no step), else None."""
+    if not (type(s.start) is int and type(s.stop) is int and s.step in (None, 1)):
+        return None
+    c = s.stop - s.start
+    return c if c > 0 and s.start >= 0 and s.start % c == 0 else None
 
 
 def _families(gm: fx.GraphModule) -> List[Family]:
@@ -103,14 +117,15 @@ def _families(gm: fx.GraphModule) -> List[Family]:
         pos = _position(n.args[1])
         if pos is None:
             continue
-        d, t, index = pos
+        d, t, index, chunk = pos
         write = n.target is operator.setitem
-        fam = found.setdefault((base, d, repr(index), write), Family(base, d, index, write))
+        fam = found.setdefault((base, d, repr(index), write, chunk), Family(base, d, index, write, chunk))
         fam.nodes.setdefault(t, []).append(n)
     complete = []
     for fam in found.values():
-        size = fake_value(fam.base).shape[fam.dim]
-        if isinstance(size, int) and size >= 3 and set(fam.nodes) == set(range(size)):
+        size, steps = fake_value(fam.base).shape[fam.dim], len(fam.nodes)
+        if isinstance(size, int) and steps >= 3 and set(fam.nodes) == set(range(steps)) \
+                and steps * (fam.chunk or 1) == size:
             complete.append(fam)
     return complete
 
@@ -151,7 +166,7 @@ def _loop(gm: fx.GraphModule, group: List[Family]) -> Optional[Loop]:
     """The loop of one group of families, or None when its steps are not copies of one step."""
     reads = {n: (f, t) for f in group if not f.write for t, ns in f.nodes.items() for n in ns}
     writes = {n: (f, t) for f in group if f.write for t, ns in f.nodes.items() for n in ns}
-    if not reads:
+    if not reads or len({f.chunk for f in group}) > 1:  # one step reads one position, or one chunk, of each
         return None
     step = _steps(gm, reads)
     template = [n for n in gm.graph.nodes if step.get(n) == 1 and n not in reads and n.op != "output"

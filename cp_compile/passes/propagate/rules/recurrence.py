@@ -81,6 +81,11 @@ def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]
                 "or a folded loop) has no identity step to pad with, so its final state would be wrong (fix: a length "
                 f"that is a multiple of {em.ctx.world * em.index.chunks()[0].shape[1]}, or declare transition= "
                 "and pad_values=)")
+    table, run = em.index.chunks()
+    if run % spec.chunk:
+        return (f"its steps read chunks of {spec.chunk} tokens and each rank's runs hold {run}, not a multiple, so "
+                f"the runs would cut the model's chunks (fix: a sequence length that is a multiple of "
+                f"{table.numel() * spec.chunk}, or a smaller chunk size)")
     split = [name for name, v in a.items() if name not in spec.seq_args and isinstance(em.layout(v), Sharded)]
     if split:
         return (f"its {split[0]!r} is split by sequence but is not a per-token argument of the contract "
