@@ -41,6 +41,7 @@ from .finalize.repropagate import repropagate
 from .finalize.ring_timeout import set_ring_timeout
 from .finalize.strategy import apply_strategy
 from .normalize.assoc_scan import collapse_associative_scans
+from .normalize.decay_scans import fold_decay_scans
 from .normalize.fold_loops import fold_recurrence_loops
 from .normalize.block_masks import drop_block_masks
 from .normalize.documents_first import documents_first
@@ -140,6 +141,7 @@ PASSES: Tuple[Pass, ...] = (
     Pass("distribute_mask_views", "normalize", distribute_mask_views),
     Pass("find_attention", "analyze", find_attention),
     Pass("fold_recurrence_loops", "normalize", fold_recurrence_loops),
+    Pass("fold_decay_scans", "normalize", fold_decay_scans),
     Pass("find_recurrences", "analyze", find_recurrences),
     Pass("drop_block_masks", "normalize", drop_block_masks),
     Pass("find_unsplit_attention", "analyze", find_unsplit_attention),

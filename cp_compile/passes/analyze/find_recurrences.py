@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ...recurrence import recurrence_spec
+from ...recurrence.decay_scan import is_decay_scan
 from ...recurrence.loops import is_loop_kernel
 from ...recurrence.scan import scan_leaves
 from ..context import CPRewriteError, RewriteContext, global_shape, log, source_line
@@ -64,7 +65,7 @@ def _length(node: fx.Node) -> int:
             raise CPRewriteError(
                 f"cp_compile: recurrent kernel {_name(node)} at {source_line(node)} runs on a "
                 "symbolic sequence length; state passing needs a fixed one. Fix: torch.compile(..., dynamic=False).")
-        lens.add(shape[dim])
+        lens.add(shape[dim] * getattr(node.target, "tokens_per_entry", 1))  # (a scan over chunks: their tokens)
     if len(lens) != 1:
         raise CPRewriteError(
             f"cp_compile: recurrent kernel {_name(node)} at {source_line(node)} takes per-token "
@@ -81,7 +82,7 @@ def find_recurrences(gm: fx.GraphModule, ctx: RewriteContext) -> None:
     lens = {n: _length(n) for n in found}
     if not ctx.attention and lens:
         ctx.seq_len = max(lens.values())
-    own = {n for n in found if is_scan(n) or is_loop_kernel(n.target)}  # found in the graph, not registered
+    own = {n for n in found if is_scan(n) or is_loop_kernel(n.target) or is_decay_scan(n.target)}  # not registered
     ctx.recurrences = [n for n in found if n not in own or lens[n] == ctx.seq_len]
     other = {n.name: s for n, s in lens.items() if s != ctx.seq_len and n not in own}
     if other:

@@ -111,11 +111,16 @@ class Emitter:
         return self.const(f"_cp_window_{a}_{n}_{dim}_{len(shape)}", mask)
 
     def to_sharded(self, old: fx.Node, dim: int, inner: int = 1,
-                   window: Optional[Tuple[int, int]] = None) -> fx.Node:
+                   window: Optional[Tuple[int, int]] = None, chunk: int = 1) -> fx.Node:
         """A Global value indexed by this rank's positions along ``dim`` (memoised). With a ``window``
         (a, n) (old has size n there, one entry per window index): position p reads entry p - a,
-        clamped into [0, n) (the rows outside the window are don't-care)."""
+        clamped into [0, n) (the rows outside the window are don't-care). With ``chunk`` > 1 the dim
+        has one entry per chunk of that many tokens: this rank's chunks are read."""
         key = (old, dim, inner) if window is None else (old, dim, inner, window)
+        key = key if chunk == 1 else (*key, "chunk", chunk)
+        if chunk > 1 and key not in self._memo:
+            index = self.index.index(global_shape(old)[dim], inner, chunk)
+            self._memo[key] = self.method("index_select", self.env[old], dim, index)
         if key not in self._memo:
             if window is not None:
                 a, n = window
@@ -136,7 +141,7 @@ class Emitter:
         lay = self.layout(old)
         if not isinstance(lay, Sharded):
             return self.env[old]
-        order, inverse = self.index.order_inverse()  # inverse drops the padding positions
+        order, inverse = self.index.order_inverse(lay.chunk)  # inverse drops the padding positions
         if lay.window is not None:  # (B, c, D) -> gather (B, S, D) -> narrow to the window (B, n, D)
             key = ("to_global", old)  # once for all its consumers without a window-aware rule
             if key not in self._memo:
@@ -144,7 +149,7 @@ class Emitter:
                                   self.ctx.group.name)
                 self._memo[key] = self.method("narrow", whole, lay.dim, *lay.window)
             return self._memo[key]
-        outer = global_shape(old)[lay.dim] // (self.ctx.seq_len * lay.inner)
+        outer = global_shape(old)[lay.dim] // (self.ctx.seq_len // lay.chunk * lay.inner)
         if lay.inner == 1 and outer == 1:
             return self.call(graph_ops.gather_seq, self.env[old], lay.dim, order, inverse, self.ctx.world,
                              self.ctx.group.name)
@@ -185,10 +190,11 @@ class Emitter:
             return new, GLOBAL
         dims = {self.layout(a).dim for a in sharded if global_shape(a) == global_shape(node)}
         windowed = any(self.windowed(a) for a in sharded)  # its length is not S: to_sharded cannot re-shard it
-        if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded) and not windowed:
+        chunks = {self.layout(a).chunk for a in sharded}
+        if len(dims) == 1 and all(self.layout(a).inner == 1 for a in sharded) and not windowed and len(chunks) == 1:
             self.env[node] = new  # to_sharded reads the whole value from env
-            (dim,) = dims
-            return self.to_sharded(node, dim), Sharded(dim)
+            (dim,), (chunk,) = dims, chunks
+            return self.to_sharded(node, dim, chunk=chunk), Sharded(dim, chunk=chunk)
         return new, GLOBAL
 
     def whole_input(self, x: fx.Node) -> Optional[fx.Node]:

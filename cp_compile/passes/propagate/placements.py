@@ -7,6 +7,7 @@ Every tensor value of a rewritten graph has one layout:
 | ``GLOBAL``      | the same full value on every rank (weights, positions, a gathered tensor, the loss) |
 | ``Sharded(d, inner)`` | this rank's tokens along dim d, in load-balanced order. ``inner`` > 1 when d is a merged dim whose index is ``outer * (c * inner) + token * inner + rest`` (e.g. logits viewed (B*S, V): inner = 1; (B, S*H) would be inner = H) |
 | ``Sharded(d, 1, window=(a, n))`` | a slice ``x[:, a:a+n]`` of a Sharded value (rules/getitem.py): global index i along d is the S-layout position p = i + a; this rank keeps its c rows at its positions (no copy); rows with p outside [a, a+n) are invalid (don't-care), masked by ``em.valid_mask`` like padding. Only the rules in ``registry.WINDOW_AWARE`` see one (the walk gathers it for any other) |
+| ``Sharded(d, inner, chunk=C)`` | the sequence viewed in chunks of C tokens (``x.view(B, S // C, C, D)``): dim d holds this rank's chunks (global size S / C), in load-balanced order; each of the rank's runs is a whole number of chunks (rules/chunks.py). Only the rules in ``registry.CHUNK_AWARE`` see one (the walk gathers it for any other) |
 | ``Local(d, token, rows)`` | rows along dim d are a data-dependent selection of this rank's tokens (``torch.where`` / ``nonzero`` on a Sharded mask, ``sort`` of Sharded expert ids: MoE routing), in no global order; ``token = (size, inner)`` when the values are indices into this rank's rows of a Sharded dim of that global size and inner; ``rows`` names the selection; d None: a per-rank summary of it (counts per expert) (rules/routing.py) |
 
 One could tell a replicated value from a full-sequence one (``Replicated`` vs ``Full(d)``);
@@ -38,10 +39,11 @@ class Sharded:
     dim: int
     inner: int = 1
     window: Optional[Tuple[int, int]] = None  # (a, n): global index i along dim is S-layout position i + a
+    chunk: int = 1  # tokens per entry along dim: > 1 when the dim indexes chunks of that many tokens
 
     def moved(self, dim: int) -> "Sharded":
-        """The same tokens (and window) along another dim."""
-        return Sharded(dim, self.inner, self.window)
+        """The same tokens (and window, and chunking) along another dim."""
+        return Sharded(dim, self.inner, self.window, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -92,19 +94,32 @@ def _groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> List[Tuple[ran
 def view_placement(in_shape: Sequence[int], out_shape: Sequence[int], src: Sharded, seq_len: int) -> Optional[Sharded]:
     """Where the sequence factor of ``src`` lands after viewing ``in_shape`` as ``out_shape``.
 
-    Shapes are the *global* ones. Returns None when the view splits the sequence
-    factor across output dims (not expressible per rank: the caller gathers).
+    Shapes are the *global* ones. The factor is ``seq_len / src.chunk`` entries (chunks of the
+    sequence when ``src.chunk`` > 1). A view that splits it into (n, C) dims, ``x.view(B, S // C, C, D)``,
+    lands in chunks of C tokens: ``Sharded(k, chunk=C)``; viewing chunks back with what follows them,
+    ``y.view(B, S, D)``, lands in tokens again. Returns None when the view splits the factor any other
+    way (not expressible per rank: the caller gathers).
     """
+    units = seq_len // src.chunk
     for in_dims, out_dims in _groups(in_shape, out_shape):
         if src.dim not in in_dims:
             continue
         # Elements after the sequence factor within this group, in flattened order.
         inner_total = src.inner * prod(in_shape[d] for d in in_dims if d > src.dim)
-        span_needed = seq_len * inner_total
+        span_needed = units * inner_total
         after = 1
         for k in reversed(out_dims):
             if inner_total % after == 0 and (out_shape[k] * after) % span_needed == 0:
-                return Sharded(k, inner_total // after)
+                return _in_tokens(Sharded(k, inner_total // after, chunk=src.chunk))
+            if after > inner_total and after % inner_total == 0 and out_shape[k] * (after // inner_total) == units:
+                return Sharded(k, 1, chunk=src.chunk * (after // inner_total))  # (n, C, ...) with the entries split
             after *= out_shape[k]
         return None
     raise AssertionError(f"sequence dim {src.dim} not in view groups of {tuple(in_shape)} -> {tuple(out_shape)}")
+
+
+def _in_tokens(s: Sharded) -> Sharded:
+    """Chunks merged with the C entries that follow each (index u·inner + r, inner = C·i'): tokens again."""
+    if s.chunk > 1 and s.inner % s.chunk == 0:
+        return Sharded(s.dim, s.inner // s.chunk)
+    return s

@@ -58,9 +58,40 @@ class SeqIndex:
     def c(self) -> Value:
         return self.op(operator.floordiv, self.S_pad(), self.ctx.world)
 
-    def local_size(self, size: Value) -> Value:
-        """Per-rank size of a dim of global size outer * S * inner."""
+    def local_size(self, size: Value, chunk: int = 1) -> Value:
+        """Per-rank size of a dim of global size outer * S * inner (S / chunk entries: chunks of tokens)."""
+        if chunk > 1:  # static S only (:meth:`chunk_refusal`)
+            return size // (self.ctx.seq_len // chunk) * (self.ctx.padded_len // self.ctx.world // chunk)
         return self.op(operator.mul, self.op(operator.floordiv, size, self.S()), self.c())
+
+    # -- chunks of tokens (placements.Sharded.chunk) -----------------------------
+    def chunk_refusal(self, chunk: int) -> Optional[str]:
+        """Why this layout cannot hold the sequence in chunks of ``chunk`` tokens, or None: each rank's
+        runs must be whole chunks of the single-device chunk grid, with no padding row."""
+        ctx = self.ctx
+        if self.runtime:
+            return "the sequence length is symbolic or the runs are per batch (fix: dynamic=False)"
+        if ctx.padded or ctx.seq_len % chunk:
+            return (f"S = {ctx.seq_len} is not a multiple of the chunk size {chunk} times the split "
+                    f"({split_multiple(ctx.world, ctx.options.load_balance)}) (fix: pad the sequence to a "
+                    "multiple of it)")
+        pos = ctx.positions()
+        rows = pos.view(-1, chunk) if pos.numel() % chunk == 0 else None
+        if rows is None or bool((rows[:, :1] % chunk != 0).any()) \
+                or bool((rows - rows[:, :1] != torch.arange(chunk)).any()):
+            runs = self.chunks()
+            length = f"runs of {runs[1]} tokens" if runs is not None else "no contiguous runs"
+            return (f"load_balance={ctx.options.load_balance!r} on {ctx.world} ranks gives each rank {length}, "
+                    f"not whole chunks of {chunk} (fix: a length that is a multiple of {chunk} times the split, "
+                    "or load_balance='contiguous')")
+        return None
+
+    def chunk_positions(self, chunk: int, rank: Optional[int] = None) -> torch.Tensor:
+        """Global chunk indices held by ``rank`` (this rank by default), in local order (c / chunk,)."""
+        ctx = self.ctx
+        pos = ctx.positions() if rank is None else rank_positions(ctx.padded_len, ctx.world, rank,
+                                                                     ctx.options.load_balance)
+        return pos.view(-1, chunk)[:, 0] // chunk
 
     def valid_len(self) -> Value:
         """The ring op's valid_len: S when the sequence may be padded, else -1."""
@@ -115,8 +146,10 @@ class SeqIndex:
         table = torch.tensor([[r, 2 * n - 1 - r] for r in range(n)])  # zigzag
         return table, self.op(operator.floordiv, self.c(), 2)
 
-    def index(self, size: Value, inner: int) -> fx.Node:
+    def index(self, size: Value, inner: int, chunk: int = 1) -> fx.Node:
         """Indices of this rank's entries along a dim of global ``size`` (1-D, outer * c * inner)."""
+        if chunk > 1:
+            return self.em.const(f"_cp_index_{size}_{inner}_chunk{chunk}", self._static_index(size, inner, chunk)[0])
         if not self.runtime:
             return self.em.const(f"_cp_index_{size}_{inner}", self._static_index(size, inner)[0])
         s, em = self.S(), self.em
@@ -141,9 +174,14 @@ class SeqIndex:
         ok = em.method("expand", em.method("view", ok, 1, -1, 1), outer, -1, inner)
         return em.method("view", em.method("reshape", ok, -1), *view)
 
-    def order_inverse(self) -> Tuple[fx.Node, fx.Node]:
-        """Positions of ranks 0..N-1 concatenated (S_pad,) and the first S of its argsort."""
+    def order_inverse(self, chunk: int = 1) -> Tuple[fx.Node, fx.Node]:
+        """Positions of ranks 0..N-1 concatenated (S_pad,) and the first S of its argsort (chunk > 1:
+        the chunks' indices, S / chunk)."""
         ctx, em = self.ctx, self.em
+        if chunk > 1:
+            order = torch.cat([self.chunk_positions(chunk, r) for r in range(ctx.world)])
+            return em.const(f"_cp_order_chunk{chunk}", order), em.const(f"_cp_inverse_chunk{chunk}",
+                                                                        torch.argsort(order))
         if self.table is not None:  # (N, c) -> (S,): a partition of range(S), no padding
             order = em.method("reshape", self.table, -1)
             return order, em.call(torch.argsort, order)
@@ -153,8 +191,10 @@ class SeqIndex:
         order = em.call(torch.cat, [self.positions(r) for r in range(ctx.world)])
         return order, em.method("narrow", em.call(torch.argsort, order), 0, 0, self.S())
 
-    def _static_index(self, size: int, inner: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _static_index(self, size: int, inner: int, chunk: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
         s, pos = self.ctx.seq_len, self.ctx.positions()
+        if chunk > 1:
+            s, pos = s // chunk, self.chunk_positions(chunk)
         outer = size // (s * inner)
         grid = lambda p: (torch.arange(outer)[:, None, None] * (s * inner) + p[None, :, None] * inner  # noqa: E731
                           + torch.arange(inner)[None, None, :]).reshape(-1)

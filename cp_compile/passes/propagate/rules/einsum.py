@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from ...context import global_shape
 from ..placements import Sharded
-from .registry import register_rule
+from .registry import chunk_aware, register_rule
 
 
 def parse_equation(eq: str, ndims: Sequence[int]) -> Optional[Tuple[List[str], str]]:
@@ -70,6 +70,7 @@ def _operands(node: fx.Node) -> Tuple[str, List[Any]]:
     return eq, rest
 
 
+@chunk_aware
 @register_rule(torch.einsum)
 def einsum(em, node: fx.Node):
     """``torch.einsum`` with a Sharded operand (see the module docstring)."""
@@ -81,10 +82,10 @@ def einsum(em, node: fx.Node):
     if parsed is None:
         return em.fallback(node, f"einsum equation {eq!r} does not match its operands' ranks")
     subs, out = parsed
-    seq = {(sub[s.dim], s.inner) for a, sub in zip(ops, subs) if isinstance(s := em.layout(a), Sharded)}
+    seq = {(sub[s.dim], s.inner, s.chunk) for a, sub in zip(ops, subs) if isinstance(s := em.layout(a), Sharded)}
     if len(seq) != 1:
         return em.fallback(node, f"einsum {eq!r} with operands sharded along different letters")
-    letter, inner = seq.pop()
+    letter, inner, chunk = seq.pop()
     if letter not in out:
         return em.fallback(node, f"einsum {eq!r} sums over the sequence letter {letter!r} (mixes tokens)")
     if any(sub.count(letter) > 1 for sub in subs):
@@ -95,7 +96,7 @@ def einsum(em, node: fx.Node):
             continue
         d = sub.index(letter)
         if global_shape(a)[d] != 1:  # one entry per position: take this rank's
-            converted[a] = em.to_sharded(a, d, inner)
+            converted[a] = em.to_sharded(a, d, inner, chunk=chunk)
     args = fx.node.map_aggregate(node.args, lambda a: converted.get(a, em.env[a]) if isinstance(a, fx.Node) else a)
-    return em.copy(node, args, {}), Sharded(out.index(letter), inner)
+    return em.copy(node, args, {}), Sharded(out.index(letter), inner, chunk=chunk)
 

@@ -52,9 +52,10 @@ from ...fx_utils import reads_only_shape
 from ...op_vocab import arguments
 from ..placements import GLOBAL, Sharded
 from .common import _flat_args
-from .registry import register_rule, window_aware
+from .registry import chunk_aware, register_rule, window_aware
 
 
+@chunk_aware
 @window_aware
 @register_rule(operator.getitem)
 def getitem(em: Any, node: fx.Node):
@@ -63,6 +64,8 @@ def getitem(em: Any, node: fx.Node):
     s = em.layout(x)
     index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(global_shape(x)))
     if index is None or any(isinstance(i, fx.Node) for i in index):
+        if isinstance(s, Sharded) and s.chunk > 1:
+            return em.fallback(node, "indexing the sequence's chunks with tensors")
         if any(em.windowed(a) for a in _flat_args(node)):
             return em.fallback(node, "indexing a slice of the sequence with tensors")
         looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else \
@@ -85,10 +88,13 @@ def _index_seq_dim(em: Any, node: fx.Node, s: Sharded, index: tuple, at: int, ou
     x, i = node.args[0], index[at]
     if _covers(i, global_shape(x)[s.dim], em.ctx.seq_sym is not None):
         return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim)
-    if type(i) is int and node.users and all(reads_only_shape(u) for u in node.users):
-        # `zeros_like(x[:, 0])`: any local token has the row's shape; no row is fetched
-        local = tuple(em.value(index[j]) if j != at else 0 for j in range(len(index)))
+    if node.users and all(reads_only_shape(u) for u in node.users) and _one_row(i, global_shape(x)[s.dim]):
+        # `zeros_like(x[:, 0])`, `zeros_like(x[:, :1])`: any local row has the shape; no row is fetched
+        local = tuple(em.value(index[j]) if j != at else i for j in range(len(index)))
+        local = local if type(i) is not int else tuple(0 if j == at else v for j, v in enumerate(local))
         return em.copy(node, (em.env[x], local), {}), GLOBAL
+    if s.chunk > 1:
+        return em.fallback(node, f"slicing the sequence's chunks with {i!r}")
     if type(i) is int and s.inner == 1 and node.meta.get("example_value", None) is not None \
             and node.meta["example_value"].dtype is not torch.bool:
         return _pick_position(em, x, s, index, at, i), GLOBAL
@@ -178,6 +184,15 @@ def _pick_position(em: Any, x: fx.Node, s: Sharded, index: tuple, at: int, i: in
     row = em.method("sum", em.call(torch.where, mine, em.env[x], 0), s.dim, True)  # size 1 along s.dim
     row = em.call(graph_ops.all_reduce_sum, row, em.ctx.group.name)  # Global: the row of position i
     return em.call(operator.getitem, row, index[:at] + (0,) + index[at + 1:])
+
+
+def _one_row(i: Any, size: int) -> bool:
+    """Whether index ``i`` along a dim of ``size`` picks one row: an int, or a slice one row long."""
+    if type(i) is int:
+        return True
+    if not isinstance(i, slice) or any(v is not None and type(v) is not int for v in (i.start, i.stop, i.step)):
+        return False
+    return len(range(size)[i]) == 1
 
 
 def _expand_ellipsis(index: tuple, ndim: int) -> Optional[tuple]:

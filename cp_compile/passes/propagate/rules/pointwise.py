@@ -20,8 +20,9 @@ from ...op_vocab import EMBEDDING, NORMS, PER_TOKEN, POINTWISE, SOFTMAXES, argum
 from ..emitter import Emitter
 from ..placements import Sharded
 from .common import _flat_args, _map, _name, _ndim, _norm, _sharded
-from .registry import register_rule, window_aware
+from .registry import chunk_aware, register_rule, window_aware
 
+@chunk_aware
 @window_aware
 @register_rule(*(POINTWISE - {torch.where}))  # torch.where: the selection form too (routing.py)
 def pointwise(em: Emitter, node: fx.Node):
@@ -33,6 +34,10 @@ def pointwise(em: Emitter, node: fx.Node):
     out_nd = _ndim(node)
     tensors = [a for a in _flat_args(node) if isinstance(a, fx.Node) and global_shape(a) is not None]
     targets = {(s.dim + out_nd - _ndim(a), s.inner, s.window) for a in tensors if (s := _sharded(em, a))}
+    chunks = {s.chunk for a in tensors if (s := _sharded(em, a))}
+    if len(chunks) != 1:
+        return em.fallback(node, "the sequence in tokens combined with the sequence in chunks")
+    (chunk,) = chunks
     converted: Dict[fx.Node, Any] = {}
     if len(targets) != 1:
         windows = {t[2] for t in targets}
@@ -51,9 +56,9 @@ def pointwise(em: Emitter, node: fx.Node):
             continue
         d = out_dim - (out_nd - _ndim(a))
         if d >= 0 and global_shape(a)[d] != 1:
-            converted[a] = em.to_sharded(a, d, inner, window)  # one entry per position: take this rank's
+            converted[a] = em.to_sharded(a, d, inner, window, chunk)  # one entry per position: this rank's
     args, kwargs = _map(em, node, converted)
-    return em.copy(node, args, kwargs), Sharded(out_dim, inner, window)
+    return em.copy(node, args, kwargs), Sharded(out_dim, inner, window, chunk)
 
 
 def _align_windows(em: Emitter, tensors: list, targets: set) -> Any:
@@ -80,6 +85,7 @@ def _align_windows(em: Emitter, tensors: list, targets: set) -> Any:
     return converted, {out}
 
 
+@chunk_aware
 @window_aware
 @register_rule(*PER_TOKEN)
 def per_token(em: Emitter, node: fx.Node):
@@ -119,6 +125,7 @@ def local_response_norm(em: Emitter, node: fx.Node):
     return em.copy(node, *em.value((node.args, node.kwargs))), s
 
 
+@chunk_aware
 @register_rule(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")
 def matmul(em: Emitter, node: fx.Node):
     """``a @ b`` where exactly one side carries the tokens, along a dim the product keeps.
@@ -136,13 +143,14 @@ def matmul(em: Emitter, node: fx.Node):
         if converted is None:
             return em.fallback(node, "matmul of sequence-sharded rows with a whole operand along another dim")
         args, kwargs = _map(em, node, converted)
-        return em.copy(node, args, kwargs), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
+        return em.copy(node, args, kwargs), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner, chunk=sa.chunk)
     if sb is not None and sa is None and sb.dim == _ndim(b) - 1 and _ndim(b) >= 2 and sb.inner == 1:
-        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(_ndim(node) - 1)
+        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(_ndim(node) - 1, chunk=sb.chunk)
     if sa is not None and sb is not None and _same_batch_dim(a, sa, b, sb):
         # tokens in a batch dim of both sides (per-token matrices, e.g. bmm of rows with their expert's
         # weights): one product per token
-        return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner)
+        return em.copy(node, *em.value((node.args, node.kwargs))), \
+            Sharded(sa.dim + _ndim(node) - _ndim(a), sa.inner, chunk=sa.chunk)
     return em.fallback(node, "matmul mixing tokens")
 
 
@@ -160,14 +168,14 @@ def _batch_partner(em: Emitter, a: fx.Node, sa: Sharded, b: Any) -> Any:
         return {}
     if global_shape(b)[d] != global_shape(a)[sa.dim]:
         return None
-    return {b: em.to_sharded(b, d, sa.inner)}
+    return {b: em.to_sharded(b, d, sa.inner, chunk=sa.chunk)}
 
 
 def _same_batch_dim(a: fx.Node, sa: Sharded, b: fx.Node, sb: Sharded) -> bool:
     """Both operands sharded along the same batch dim (aligned from the right, not a matrix dim)."""
     na, nb = _ndim(a), _ndim(b)
     return (na >= 3 and nb >= 3 and sa.dim < na - 2 and sb.dim < nb - 2 and sa.dim - na == sb.dim - nb
-            and sa.inner == sb.inner and global_shape(a)[sa.dim] == global_shape(b)[sb.dim])
+            and sa.inner == sb.inner and sa.chunk == sb.chunk and global_shape(a)[sa.dim] == global_shape(b)[sb.dim])
 
 
 @register_rule(torch.addmm, "addmm")

@@ -56,7 +56,8 @@ def recurrence(em: Emitter, node: fx.Node):
         return em.fallback(node, f"recurrent kernel {spec.name}: {why}")
     state, dtype = _state_meta(spec, node, a)
     table, length = em.index.chunks()
-    runs = [_run_args(em, spec, a, j, length) for j in range(table.shape[1])]
+    unit = _unit(em, spec, a)  # tokens per entry of the sequence dims (> 1: a scan over chunks)
+    runs = [_run_args(em, spec, a, j, length // unit, unit) for j in range(table.shape[1])]
     order = sorted(((int(table[r, j]), r, j) for r in range(table.shape[0]) for j in range(table.shape[1])))
     order = [(r, j) for _, r, j in order]
     h0 = _initial_state(em, spec, a, runs[0], state, dtype)
@@ -68,12 +69,18 @@ def recurrence(em: Emitter, node: fx.Node):
     # collectives and those collectives' backward run on every rank, read or not (no rank skips one)
     outs[-1] = em.call(_tied, outs[-1], min(spec.outputs), final)
     _record(em, node, spec, state, dtype, table.shape[1])
-    return _result(em, node, spec, outs, final)
+    return _result(em, node, spec, outs, final, unit)
+
+
+def _unit(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> int:
+    """Tokens per entry along the kernel's sequence dims: its sharded arguments' chunk (placements.py)."""
+    chunks = {lay.chunk for name in spec.seq_args if isinstance(lay := em.layout(a.get(name)), Sharded)}
+    return chunks.pop() if len(chunks) == 1 else 1
 
 
 def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
     """Why the kernel cannot be state-passed here, or None."""
-    why = _outside_contract(spec, a) or _no_runs(em) or _misplaced_argument(em, spec, a)
+    why = _outside_contract(spec, a) or _no_runs(em) or _mixed_units(em, spec, a) or _misplaced_argument(em, spec, a)
     if why is not None:
         return why
     if (spec.transition == "serial" or is_loop_kernel(spec.target)) and _padded(em) and _reads_final_state(node, spec):
@@ -82,7 +89,7 @@ def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]
                 f"that is a multiple of {em.ctx.world * em.index.chunks()[0].shape[1]}, or declare transition= "
                 "and pad_values=)")
     table, run = em.index.chunks()
-    if run % spec.chunk:
+    if (run // _unit(em, spec, a)) % spec.chunk:
         return (f"its steps read chunks of {spec.chunk} tokens and each rank's runs hold {run}, not a multiple, so "
                 f"the runs would cut the model's chunks (fix: a sequence length that is a multiple of "
                 f"{table.numel() * spec.chunk}, or a smaller chunk size)")
@@ -106,12 +113,21 @@ def _misplaced_argument(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) ->
             continue
         shape = global_shape(x)
         d = _norm(dim, len(shape))
-        if shape[d] != em.ctx.seq_len:
-            return f"argument {name!r} has {shape[d]} along its sequence dim {dim}, not the sequence's {em.ctx.seq_len}"
+        entries = em.ctx.seq_len // _unit(em, spec, a)
+        if shape[d] != entries:
+            return f"argument {name!r} has {shape[d]} along its sequence dim {dim}, not the sequence's {entries}"
         lay = em.layout(x)
         if isinstance(lay, Sharded) and (lay.dim != d or lay.inner != 1 or lay.window is not None):
             return (f"argument {name!r} is split along dim {lay.dim} (inner {lay.inner}), the kernel's sequence dim "
                     f"is {d} (fix: declare seq_args={{{name!r}: {lay.dim}}} if that is its sequence dim)")
+    return None
+
+
+def _mixed_units(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
+    """Why the per-token arguments hold the sequence in different units (tokens, chunks of C), or None."""
+    chunks = {lay.chunk for name in spec.seq_args if isinstance(lay := em.layout(a.get(name)), Sharded)}
+    if len(chunks) > 1:
+        return f"its per-token arguments hold the sequence in different chunks of tokens {sorted(chunks)}"
     return None
 
 
@@ -173,13 +189,13 @@ def _fresh(v: Any) -> Any:
                                requires_grad=v.requires_grad)
 
 
-def _local(em: Emitter, spec: RecurrenceSpec, name: str, x: fx.Node) -> fx.Node:
+def _local(em: Emitter, spec: RecurrenceSpec, name: str, x: fx.Node, unit: int = 1) -> fx.Node:
     """``x``'s local rows (indexed if whole), padding rows set to the argument's identity value. A folded
     loop declares none (its final state is refused when padded): its padding rows copy the rank's first
     row, a real token, so the step's outputs there stay finite (``num / den`` of a zero row is NaN, whose
     backward would poison every gradient although no real token reads the padding)."""
     d = _norm(spec.seq_args[name], _ndim(x))
-    local = em.env[x] if isinstance(em.layout(x), Sharded) else em.to_sharded(x, d)
+    local = em.env[x] if isinstance(em.layout(x), Sharded) else em.to_sharded(x, d, chunk=unit)
     mask = em.valid_mask(x, local, d, 1)
     if mask is None:
         return local
@@ -187,14 +203,15 @@ def _local(em: Emitter, spec: RecurrenceSpec, name: str, x: fx.Node) -> fx.Node:
     return em.call(torch.where, mask, local, fill)
 
 
-def _run_args(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any], j: int, length: int) -> Dict[str, Any]:
-    """The kernel's arguments for this rank's run ``j`` (tokens [j·L, (j+1)·L) of its shard), by name."""
+def _run_args(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any], j: int, length: int,
+              unit: int = 1) -> Dict[str, Any]:
+    """The kernel's arguments for this rank's run ``j`` (entries [j·L, (j+1)·L) of its shard), by name."""
     kw = dict(em.value(a))
     for name in spec.seq_args:
         x = a.get(name)
         if isinstance(x, fx.Node):
             d = _norm(spec.seq_args[name], _ndim(x))
-            kw[name] = em.method("narrow", _local(em, spec, name, x), d, j * length, length)
+            kw[name] = em.method("narrow", _local(em, spec, name, x, unit), d, j * length, length)
     if spec.final_state_flag:
         kw[spec.final_state_flag] = True
     return kw
@@ -291,20 +308,20 @@ def _tied(result: Any, index: int, anchor: torch.Tensor) -> Any:
     return (*result[:index], keep_alive(result[index], anchor), *result[index + 1:])
 
 
-def _result(em: Emitter, node: fx.Node, spec: RecurrenceSpec, outs: List[fx.Node], final: fx.Node):
+def _result(em: Emitter, node: fx.Node, spec: RecurrenceSpec, outs: List[fx.Node], final: fx.Node, unit: int = 1):
     """The node's value as a tuple of new values (the walk indexes it), with their layouts."""
     result = fake_value(node)
     if not isinstance(result, (tuple, list)):
         d = _norm(spec.outputs[0], result.dim())
         pieces = [em.call(operator.getitem, o, 0) for o in outs]
-        return em.call(torch.cat, pieces, d), Sharded(d)
+        return em.call(torch.cat, pieces, d), Sharded(d, chunk=unit)
     values: List[Any] = []
     layouts: List[Any] = []
     for i, v in enumerate(result):
         if i in spec.outputs and isinstance(v, torch.Tensor):
             d = _norm(spec.outputs[i], v.dim())
             values.append(em.call(torch.cat, [em.call(operator.getitem, o, i) for o in outs], d))
-            layouts.append(Sharded(d))
+            layouts.append(Sharded(d, chunk=unit))
         elif i == spec.final_state and isinstance(v, torch.Tensor):
             values.append(final)
             layouts.append(GLOBAL)

@@ -19,9 +19,10 @@ from ...op_vocab import arguments
 from ..emitter import Emitter
 from ..placements import GLOBAL
 from .common import _name, _ndim, _norm, _sharded
-from .registry import register_rule, window_aware
+from .registry import chunk_aware, register_rule, window_aware
 
 
+@chunk_aware
 @window_aware
 @register_rule("sum", "mean", torch.sum, torch.mean)
 def reduction(em: Emitter, node: fx.Node):
@@ -43,6 +44,8 @@ def reduction(em: Emitter, node: fx.Node):
     if name == "mean":  # / global count: the other reduced dims' sizes times S (a window's n)
         count = em.index.S() if s.window is None else s.window[1]  # times outer·inner when the tokens are
         merged = 1 if s.window is not None else global_shape(x)[s.dim] // em.ctx.seq_len  # flattened (B·S rows)
+        if s.chunk > 1:  # (static S) one entry per chunk: the dim's own global size
+            count, merged = global_shape(x)[s.dim], 1
         count = count if merged == 1 else em.index.op(operator.mul, count, merged)
         for d in dims:
             if d != s.dim:
@@ -71,6 +74,7 @@ def histc(em: Emitter, node: fx.Node):
     return em.call(graph_ops.all_reduce_sum, counts, em.ctx.group.name), GLOBAL
 
 
+@chunk_aware  # chunks too (static S only)
 @window_aware  # windows exist under a static S only, where the sizes are the global (windowed) shape's
 @register_rule("size")
 def size(em: Emitter, node: fx.Node):

@@ -23,6 +23,7 @@ from .common import Rule
 
 RULES: Dict[Any, Rule] = {}
 WINDOW_AWARE: Set[Rule] = set()  # the rules that read windowed Sharded values correctly
+CHUNK_AWARE: Set[Rule] = set()  # the rules that read Sharded values in chunks of tokens correctly
 
 
 def register_rule(*targets: Any) -> Callable[[Rule], Rule]:
@@ -50,4 +51,11 @@ def window_aware(rule: Rule) -> Rule:
     return rule
 
 
-__all__ = ["RULES", "WINDOW_AWARE", "register_rule", "window_aware"]
+def chunk_aware(rule: Rule) -> Rule:
+    """Decorator: ``rule`` reads Sharded inputs in chunks of tokens (``Sharded.chunk`` > 1) correctly and
+    keeps the chunking in what it returns (placements.py)."""
+    CHUNK_AWARE.add(rule)
+    return rule
+
+
+__all__ = ["CHUNK_AWARE", "RULES", "WINDOW_AWARE", "chunk_aware", "register_rule", "window_aware"]

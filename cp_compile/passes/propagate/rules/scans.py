@@ -41,13 +41,14 @@ from ...op_vocab import arguments
 from ..emitter import Emitter
 from ..placements import Sharded
 from .common import _name, _ndim, _norm, _sharded
-from .registry import register_rule
+from .registry import chunk_aware, register_rule
 
 _SCANS = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "logcumsumexp": torch.logcumsumexp,
           "cummax": torch.cummax, "cummin": torch.cummin}
 _COMBINE = {"cumsum": operator.add, "cumprod": operator.mul, "logcumsumexp": torch.logaddexp}
 
 
+@chunk_aware  # a scan over chunks is the same from run totals: each run is a whole number of chunks
 @register_rule(*_SCANS.values(), *_SCANS)
 def scan(em: Emitter, node: fx.Node):
     """A scan of a Sharded value: along another dim per token; along the sequence from every rank's run
@@ -60,7 +61,7 @@ def scan(em: Emitter, node: fx.Node):
     if s is None or "out" in a and a["out"] is not None:
         return em.fallback(node, f"{name} with out= or of a value not split by sequence")
     if _norm(a["dim"], _ndim(x)) != s.dim:  # along the features: each token's row alone
-        lay = Sharded(s.dim, s.inner)
+        lay = Sharded(s.dim, s.inner, chunk=s.chunk)
         return em.copy(node, *em.value((node.args, node.kwargs))), (lay if outs == 1 else (lay, lay))
     why = _refusal(em, x, s, name)
     if why is not None:
@@ -76,7 +77,7 @@ def scan(em: Emitter, node: fx.Node):
     if outs == 1:
         prefix = _exclusive_prefix(em, name, _totals(em, scanned, d, dtype)[0], table, d, dtype)
         out = em.call(_COMBINE[name], em.method("unsqueeze", prefix, d + 1), scanned)  # (..., k, L, ...)
-        return _result(em, node, out, d, result), Sharded(d)
+        return _result(em, node, out, d, result), Sharded(d, chunk=s.chunk)
     values, indices = _cummaxmin(em, name, scanned, (table, length), _ndim(x) + 1, d, dtype)
     return (_result(em, node, values, d, result[0], "_values"),
             _result(em, node, indices, d, result[1], "_indices")), (Sharded(d), Sharded(d))
@@ -95,7 +96,9 @@ def _refusal(em: Emitter, x: fx.Node, s: Sharded, name: str) -> Optional[str]:
     if em.index.chunks() is None:
         return (f"load_balance={em.ctx.options.load_balance!r} on {em.ctx.world} ranks holds no contiguous runs "
                 "of tokens to scan (fix: load_balance='zigzag' or 'contiguous')")
-    if s.inner != 1 or global_shape(x)[s.dim] != em.ctx.seq_len:
+    if name in ("cummax", "cummin") and s.chunk > 1:
+        return f"{name} over chunks of the sequence (its indices are positions; fix: scan the tokens' view)"
+    if s.inner != 1 or global_shape(x)[s.dim] != em.ctx.seq_len // s.chunk:
         return ("the sequence is merged with other dims there (tokens flattened with the batch or the features); "
                 "fix: scan a view with the sequence as a dim of its own")
     if name in ("cummax", "cummin") and fake_value(x).dtype is torch.bool:

@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..emitter import Emitter
 from ..oracle import decide
+from ..placements import Sharded
 from . import (  # noqa: F401  (imported for their @register_rule)
     assoc_scan, attention, autograd_fn, complex, einsum, fill, flex, getitem, halo, losses, order, pointwise,
     reductions, routing, scans, views, vmap,
@@ -18,7 +19,7 @@ from . import (  # noqa: F401  (imported for their @register_rule)
 from ...analyze.find_recurrences import is_recurrence
 from .recurrence import recurrence
 from .common import _flat_args, _key, _name
-from .registry import RULES, WINDOW_AWARE
+from .registry import CHUNK_AWARE, RULES, WINDOW_AWARE
 from .routing import involves_local, local_rule
 
 
@@ -27,9 +28,13 @@ def apply_rule(em: Emitter, node: fx.Node):
 
     An input that is a window of the sequence (a slice ``h[:, 1:]``: rules/getitem.py) reaches only
     the rules marked ``@window_aware``; for any other op it is gathered (narrowed to its window) and
-    the op runs whole, warned: a rule that assumes S rows must never see n."""
+    the op runs whole, warned: a rule that assumes S rows must never see n. The same for an input
+    holding the sequence in chunks (``x.view(B, S // C, C, D)``): only ``@chunk_aware`` rules see one."""
     if any(em.windowed(a) for a in _flat_args(node)) and RULES.get(_key(node)) not in WINDOW_AWARE:
         return em.fallback(node, f"{_name(node)} of a slice of the sequence (it has no window-aware rule)")
+    if any(_chunked(em, a) for a in _flat_args(node)) and RULES.get(_key(node)) not in CHUNK_AWARE \
+            and not is_recurrence(node):  # (a recurrence's rule reads chunks: its steps are the chunks)
+        return em.fallback(node, f"{_name(node)} of the sequence viewed in chunks (it has no chunk-aware rule)")
     if involves_local(em, node):
         return local_rule(em, node)
     rule = RULES.get(_key(node))
@@ -41,6 +46,11 @@ def apply_rule(em: Emitter, node: fx.Node):
             return decided
         return em.fallback(node, f"{_name(node)} is not known to be per-token")
     return rule(em, node)
+
+
+def _chunked(em: Emitter, arg) -> bool:
+    lay = em.layout(arg)
+    return isinstance(lay, Sharded) and lay.chunk > 1
 
 
 __all__ = ["RULES", "apply_rule"]

@@ -17,7 +17,7 @@ from ...op_vocab import FLATTENS, JOINS, PERMUTES, RESHAPES, SPLITS, SQUEEZES, a
 from ..emitter import Emitter
 from ..placements import Sharded, view_placement
 from .common import _name, _ndim, _norm, _sharded
-from .registry import register_rule, window_aware
+from .registry import chunk_aware, register_rule, window_aware
 
 
 def _placement(em: Emitter, node: fx.Node, s: Sharded):
@@ -28,26 +28,40 @@ def _placement(em: Emitter, node: fx.Node, s: Sharded):
         return view_placement(global_shape(x), global_shape(node), s, em.ctx.seq_len)
     n = s.window[1]
     out = view_placement(global_shape(x), global_shape(node), s, n)
-    if out is None or out.inner != 1 or global_shape(node)[out.dim] != n:
+    if out is None or out.inner != 1 or out.chunk != 1 or global_shape(node)[out.dim] != n:
         return None
     return s.moved(out.dim)
+
+
+def _moved(em: Emitter, node: fx.Node, s: Sharded, what: str) -> Any:
+    """Where ``node`` holds the tokens, or why not (a str): a view into chunks of C tokens needs each
+    rank's runs to be whole chunks of the single-device grid (SeqIndex.chunk_refusal)."""
+    out = _placement(em, node, s)
+    if out is None:
+        return what
+    if out.chunk > s.chunk:
+        why = em.index.chunk_refusal(out.chunk)
+        if why is not None:
+            return f"{what} into chunks of {out.chunk} tokens: {why}"
+    return out
 
 
 def _local_len(em: Emitter, size, out: Sharded):
     """A size baked into a view along the tokens' dim ``out``, made this rank's."""
     if out.window is not None:  # windows: static S, the dim is the n rows alone (:func:`_placement`)
         return em.ctx.padded_len // em.ctx.world
-    return em.index.local_size(size)
+    return em.index.local_size(size, out.chunk)
 
 
+@chunk_aware
 @window_aware
 @register_rule(*RESHAPES)
 def view(em: Emitter, node: fx.Node):
     """view / reshape: the sequence dim where it lands; a length baked in for the full sequence made local."""
     s = _sharded(em, node.args[0])
-    out = _placement(em, node, s)
-    if out is None:
-        return em.fallback(node, "view that splits the sequence dim (or merges a slice of it with other dims)")
+    out = _moved(em, node, s, "view that splits the sequence dim (or merges a slice of it with other dims)")
+    if isinstance(out, str):
+        return em.fallback(node, out)
     args = list(em.value(node.args))
     if len(node.args) == 2 and isinstance(node.args[1], fx.Node) and node.args[1].target is torch.Size:
         args[1] = tuple(em.value(node.args[1].args[0]))  # x.view(torch.Size([s0, s1, 192])) (dynamic shapes)
@@ -64,17 +78,19 @@ def view(em: Emitter, node: fx.Node):
     return em.copy(node, tuple(args), kwargs), out
 
 
+@chunk_aware
 @window_aware
 @register_rule(*FLATTENS, *SQUEEZES, "contiguous")
 def shape_only(em: Emitter, node: fx.Node):
     """Ops without size arguments (flatten, squeeze, unsqueeze, contiguous): follow the shapes."""
     s = _sharded(em, node.args[0])
-    out = _placement(em, node, s)
-    if out is None:
-        return em.fallback(node, f"{_name(node)} that splits the sequence dim")
+    out = _moved(em, node, s, f"{_name(node)} that splits the sequence dim")
+    if isinstance(out, str):
+        return em.fallback(node, out)
     return em.copy(node, *em.value((node.args, node.kwargs))), out
 
 
+@chunk_aware
 @window_aware
 @register_rule(*PERMUTES)
 def permute(em: Emitter, node: fx.Node):
@@ -96,6 +112,7 @@ def permute(em: Emitter, node: fx.Node):
     return em.copy(node, *em.value((node.args, node.kwargs))), s.moved(order.index(s.dim))
 
 
+@chunk_aware
 @register_rule("expand")
 def expand(em: Emitter, node: fx.Node):
     """``x.expand(sizes)``: the sequence dim's size made the local length."""
@@ -104,8 +121,8 @@ def expand(em: Emitter, node: fx.Node):
     args = em.value(node.args)
     sizes = list(args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
     if sizes[out_dim] != -1:
-        sizes[out_dim] = em.index.local_size(sizes[out_dim])
-    return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner)
+        sizes[out_dim] = em.index.local_size(sizes[out_dim], s.chunk)
+    return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner, chunk=s.chunk)
 
 
 @register_rule(*SPLITS)
