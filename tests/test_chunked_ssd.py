@@ -1,7 +1,7 @@
 """The sequence viewed in chunks, and the chunked state-space scan (Mamba2's SSD) under ring_cp.
 
-    x.view(B, S // C, C, D)                      -> Sharded(1, chunk=C): this rank's chunks, each rank's runs whole chunks
-    einsum(exp(segsum(a)), X) over the chunk dim -> DecayScan: each rank scans its chunks from the state entering its runs
+    x.view(B, S // C, C, D)                      -> Sharded(1, chunk=C): this rank's chunks (runs of whole chunks)
+    einsum(exp(segsum(a)), X) over the chunk dim -> DecayScan: each rank scans its chunks from the incoming state
 
 Styles, each the SSD written the way a model library writes it: the paper's reference (segsum by a
 masked cumsum, ``einsum("bhzc,bchpn->bzhpn")`` with a zero decay and the initial state in front),
