@@ -280,7 +280,7 @@ def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespac
         "Every model type of the installed `transformers` with a causal-LM, masked-LM or sequence-classification "
         "class (in that preference), built from its own default config shrunk by general rules "
         "(`examples/hf_configs.py`: hidden 64, 2 layers, 4 heads, KV heads 2 where the family has them, "
-        "vocab 128, every dropout 0, 4 experts top-2, windows 16; fp32, train mode, the default attention "
+        "vocab 128, every dropout 0, 4 experts top-2, windows and chunks 16; fp32, train mode, the default attention "
         f"implementation). On each of N = {args.world} gloo ranks, one forward + backward of `out.loss` on the "
         f"same random batch (B = 2, S = {args.seq_len}) runs eagerly on the whole sequence and compiled with "
         "`ring_cp` (`inner=\"aot_eager\"`, `fullgraph=False`); the errors are the worst over the ranks.", "",
