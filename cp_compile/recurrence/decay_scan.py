@@ -34,8 +34,8 @@ Tensor = torch.Tensor
 class DecayScan:
     """``(E, final) = scan(a, x, initial_state, homogeneous)`` along ``dim`` (see the module docstring)."""
 
-    def __init__(self, dim: int, ndim: int, where: str = "", tokens_per_entry: int = 1) -> None:
-        self.dim, self.ndim, self.where = dim, ndim, where
+    def __init__(self, dim: int, tokens_per_entry: int = 1) -> None:
+        self.dim = dim
         self.tokens_per_entry = tokens_per_entry  # a scan over chunks of the sequence: the chunk size
         self.__name__ = self.__qualname__ = f"decay_scan_dim{dim}"
         self.recurrence_spec = RecurrenceSpec(

@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from ...recurrence.decay_scan import DecayScan
 from ..context import RewriteContext, fake_value, log, source_line
+from ..op_vocab import RESHAPES, is_
 from ..propagate.rules.einsum import parse_equation
 from .fake_emit import FakeEmitter
 
@@ -96,11 +97,10 @@ def _decay_product(w: fx.Node, x: fx.Node, ws: str, xs: str, out: str):
     return None
 
 
-def _candidates(w: fx.Node) -> List[fx.Node]:
-    """Values W might be a function of alone, nearest first: each tensor ancestor whose removal cuts W
-    off every graph input (the constants between them are factories: ``ones``, ``tril``)."""
-    seen, frontier, order = {w}, [w], []
-    while frontier and len(order) < _MAX_SLICE:
+def _nearest_ancestors(node: fx.Node, limit: int) -> List[fx.Node]:
+    """Up to ``limit`` ancestors of ``node``, nearest first (breadth first)."""
+    seen, frontier, order = {node}, [node], []
+    while frontier and len(order) < limit:
         nxt = []
         for n in frontier:
             for p in n.all_input_nodes:
@@ -109,9 +109,15 @@ def _candidates(w: fx.Node) -> List[fx.Node]:
                     order.append(p)
                     nxt.append(p)
         frontier = nxt
+    return order
+
+
+def _candidates(w: fx.Node) -> List[fx.Node]:
+    """Values W might be a function of alone, nearest first: each tensor ancestor whose removal cuts W
+    off every graph input (the constants between them are factories: ``ones``, ``tril``)."""
     ndim = fake_value(w).dim() - 1
-    return [a for a in order if isinstance(fake_value(a), torch.Tensor) and fake_value(a).dim() == ndim
-            and fake_value(a).is_floating_point() and _cuts(w, a)]
+    return [a for a in _nearest_ancestors(w, _MAX_SLICE) if isinstance(fake_value(a), torch.Tensor)
+            and fake_value(a).dim() == ndim and fake_value(a).is_floating_point() and _cuts(w, a)]
 
 
 def _cuts(w: fx.Node, a: fx.Node) -> bool:
@@ -134,8 +140,8 @@ def _decay_letters(w: fx.Node, a: fx.Node, ws: str, c: str, z: str) -> Optional[
     shape = tuple(fake_value(a).shape)
     if any(not isinstance(s, int) for s in shape) or math.prod(shape) > 1 << 16:
         return None
-    torch.manual_seed(0)
-    decays = -torch.rand(shape, dtype=torch.float64) - 0.05  # (…, m) log decays in (-1.05, -0.05)
+    rng = torch.Generator().manual_seed(0)  # (its own: compiling must not move the user's random stream)
+    decays = -torch.rand(shape, generator=rng, dtype=torch.float64) - 0.05  # (…, m) log decays in (-1.05, -0.05)
     got = _run_slice(w, a, decays.to(fake_value(a).dtype))
     if got is None:
         return None
@@ -197,7 +203,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, a: fx.Node, a_dims: List[Optiona
     else:
         h0 = em.fn(torch.zeros_like, em.fn(operator.getitem, x, (slice(None),) * d + (0,)))
     aligned = _aligned(em, a, a_dims)
-    kernel = DecayScan(d, fake_value(x).dim(), source_line(node), _chunk_size(x, fake_value(x).shape[d]))
+    kernel = DecayScan(d, tokens_per_entry=_chunk_size(x, fake_value(x).shape[d]))
     call = em.fn(kernel, aligned, x, h0)
     entering, final = em.fn(operator.getitem, call, 0), em.fn(operator.getitem, call, 1)
     if prefix is None:  # the inclusive scan: y = exp(a) ⊙ E + x
@@ -217,20 +223,12 @@ def _replace(gm: fx.GraphModule, node: fx.Node, a: fx.Node, a_dims: List[Optiona
 def _chunk_size(x: fx.Node, n: int) -> int:
     """The tokens per entry of a scan over ``n`` entries: C when the nearest view among x's ancestors that
     splits a dim into (n, C) made them (the sequence cut into chunks), else 1."""
-    seen, frontier = {x}, [x]
-    while frontier and len(seen) < 4 * _MAX_SLICE:
-        nxt = []
-        for node in frontier:
-            if node.op == "call_method" and node.target in ("view", "reshape") or node.target in (torch.reshape,):
-                shape, src = tuple(fake_value(node).shape), tuple(fake_value(node.args[0]).shape)
-                for k in range(len(shape) - 1):
-                    if shape[k] == n and shape[k + 1] > 1 and n * shape[k + 1] in src:
-                        return int(shape[k + 1])
-            for p in node.all_input_nodes:
-                if p not in seen:
-                    seen.add(p)
-                    nxt.append(p)
-        frontier = nxt
+    for node in _nearest_ancestors(x, 4 * _MAX_SLICE):
+        if is_(node, RESHAPES):
+            shape, src = tuple(fake_value(node).shape), tuple(fake_value(node.args[0]).shape)
+            for k in range(len(shape) - 1):
+                if shape[k] == n and shape[k + 1] > 1 and n * shape[k + 1] in src:
+                    return int(shape[k + 1])
     return 1
 
 

@@ -90,8 +90,8 @@ def _index_seq_dim(em: Any, node: fx.Node, s: Sharded, index: tuple, at: int, ou
         return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim)
     if node.users and all(reads_only_shape(u) for u in node.users) and _one_row(i, global_shape(x)[s.dim]):
         # `zeros_like(x[:, 0])`, `zeros_like(x[:, :1])`: any local row has the shape; no row is fetched
-        local = tuple(em.value(index[j]) if j != at else i for j in range(len(index)))
-        local = local if type(i) is not int else tuple(0 if j == at else v for j, v in enumerate(local))
+        row = 0 if type(i) is int else i  # (an int: the first local row; the slice: its one row of the shard)
+        local = tuple(em.value(index[j]) if j != at else row for j in range(len(index)))
         return em.copy(node, (em.env[x], local), {}), GLOBAL
     if s.chunk > 1:
         return em.fallback(node, f"slicing the sequence's chunks with {i!r}")

@@ -72,9 +72,14 @@ def recurrence(em: Emitter, node: fx.Node):
     return _result(em, node, spec, outs, final, unit)
 
 
+def _chunks(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> set:
+    """The chunks (tokens per entry, placements.py) of the kernel's sharded per-token arguments."""
+    return {lay.chunk for name in spec.seq_args if isinstance(lay := em.layout(a.get(name)), Sharded)}
+
+
 def _unit(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> int:
-    """Tokens per entry along the kernel's sequence dims: its sharded arguments' chunk (placements.py)."""
-    chunks = {lay.chunk for name in spec.seq_args if isinstance(lay := em.layout(a.get(name)), Sharded)}
+    """Tokens per entry along the kernel's sequence dims: its sharded arguments' chunk."""
+    chunks = _chunks(em, spec, a)
     return chunks.pop() if len(chunks) == 1 else 1
 
 
@@ -125,7 +130,7 @@ def _misplaced_argument(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) ->
 
 def _mixed_units(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
     """Why the per-token arguments hold the sequence in different units (tokens, chunks of C), or None."""
-    chunks = {lay.chunk for name in spec.seq_args if isinstance(lay := em.layout(a.get(name)), Sharded)}
+    chunks = _chunks(em, spec, a)
     if len(chunks) > 1:
         return f"its per-token arguments hold the sequence in different chunks of tokens {sorted(chunks)}"
     return None
