@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import common  # noqa: F401 - puts this checkout's package and examples/ first on sys.path
 
 import hf_architectures as arch
+from hf_configs import sweep_seq_len
 
 DEFAULT_OUT = os.path.join(common.RESULTS, "hf_sweep.json")
 DEFAULT_DOCS = os.path.join(common.ROOT, "docs", "hf_sweep.md")
@@ -74,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     for model_type in args.types.split(","):
         if rank == 0:
             _append(args.jsonl, {"event": "start", "model_type": model_type, "time": time.time()})
-        result = _run_one(model_type, args.seq_len)
+        result = _run_one(model_type, sweep_seq_len(model_type, args.seq_len, dist.get_world_size()))
         results: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)
         merged = arch.merge_ranks(results)
@@ -282,7 +283,9 @@ def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespac
         "(`examples/hf_configs.py`: hidden 64, 2 layers, 4 heads, KV heads 2 where the family has them, "
         "vocab 128, every dropout 0, 4 experts top-2, windows and chunks 16; fp32, train mode, the default attention "
         f"implementation). On each of N = {args.world} gloo ranks, one forward + backward of `out.loss` on the "
-        f"same random batch (B = 2, S = {args.seq_len}) runs eagerly on the whole sequence and compiled with "
+        f"same random batch (B = 2, S = {args.seq_len}; S = 2·N·C where the model code fixes a chunk size C "
+        "itself, `hf_configs.sweep_seq_len`, so that every zig-zag run holds a whole chunk) runs eagerly on "
+        "the whole sequence and compiled with "
         "`ring_cp` (`inner=\"aot_eager\"`, `fullgraph=False`); the errors are the worst over the ranks.", "",
         "**Exact** is `examples/_exact.py`'s rule, the tests' own: the loss and every parameter gradient within "
         "1e-5 of the one-process fp32 run, relative to its own norm, except (a) a gradient that is zero in exact "

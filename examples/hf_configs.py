@@ -48,6 +48,31 @@ def architecture(model_type: str) -> Tuple[str, str, str]:
     return rows[0]
 
 
+def code_chunk_size(model_type: str) -> Optional[int]:
+    """The chunk size the type's modeling code fixes itself (a module-level function's int default
+    ``chunk_size=64``: Kimi Delta Attention's torch path), which no config field shrinks; else None."""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return None
+    sizes = {p.default for fn in vars(module).values() if inspect.isfunction(fn) and fn.__module__ == module.__name__
+             for p in inspect.signature(fn).parameters.values() if p.name == "chunk_size" and type(p.default) is int}
+    return max(sizes) if sizes else None
+
+
+def sweep_seq_len(model_type: str, seq_len: int, world: int) -> int:
+    """The sweep's sequence length for ``model_type``: ``seq_len``, or, where the model code fixes a
+    chunk size C and its config has no ``chunk_size`` to shrink, 2·N·C, so that each of the 2N zig-zag
+    runs holds a whole chunk (and each rank two), as the configs' shrunk chunks do at ``seq_len``."""
+    chunk = code_chunk_size(model_type)
+    if not chunk or _get(tiny_config(model_type), "chunk_size") is not None:
+        return seq_len
+    return max(seq_len, 2 * world * chunk)
+
+
 # -- tiny configs ----------------------------------------------------------------------------
 HIDDEN, LAYERS, HEADS_N, KV_HEADS, HEAD_DIM, FFN, POSITIONS = 64, 2, 4, 2, 16, 128, 256
 EXPERTS, TOP_K, EXPERT_FFN, RANK, WINDOW = 4, 2, 32, 32, 16

@@ -117,7 +117,7 @@ def test_rows_cover_every_rule_module() -> None:
     covered: Tuple[str, ...] = tuple(row[1] for row in ROWS.values())
     uncovered = modules - set(covered)
     assert uncovered <= {"attention", "losses", "flex", "routing", "fill", "autograd_fn", "vmap", "order",
-                             "assoc_scan"}, uncovered
+                             "assoc_scan", "setitem"}, uncovered
 
 
 class _TanhGelu(torch.autograd.Function):
@@ -274,6 +274,7 @@ _SAMPLES: dict = {  # rule key -> (args, kwargs); _p(name) is the placeholder of
     **{k: ((_p("x"), 1, _p("pos3")), {}) for k in (torch.gather, ("method", "gather"))},
     **{k: ((_p("x"), _p("pos3"), 1), {}) for k in (torch.take_along_dim, ("method", "take_along_dim"))},
     **{k: ((_p("x"), -1, 0, 2), {}) for k in (torch.narrow, ("method", "narrow"))},
+    operator.setitem: ((_p("x"), (Ellipsis, slice(0, 2)), 0.0), {}),  # every position's first two features
 }
 _NOT_SWEPT = {  # rule key name -> why it has no sample here, and where it is tested
     "scaled_dot_product_attention_with_scores": "needs a score_fn submodule (tests/test_attention_forms.py)",
@@ -345,6 +346,7 @@ _UNDECIDED = {  # ops the oracle gives no verdict for, and why (the rule's verdi
     "new_ones": _BAKED, "new_full": _BAKED,
     "getitem": "its index (slices, `...`) is not a constant the oracle's cache key takes",
     "size": "it returns sizes, not a tensor",
+    "setitem": "it returns nothing (it writes into its first argument)",
     "histc": _MIXES, "cross_entropy": _MIXES, "nll_loss": _MIXES, "mse_loss": _MIXES, "l1_loss": _MIXES,
     "scaled_dot_product_attention": "attention reads every position's keys (the rule makes it the ring)",
     "local_response_norm": "its ATen decomposition (avg_pool3d over the channels) has no DTensor strategy",

@@ -17,7 +17,12 @@ rank's runs. How the runs combine depends on the step, read off its graph by :fu
   Mamba's sequential scan, RG-LRU, a decayed running sum): ``transition="elementwise"``, and the
   kernel's ``homogeneous=True`` runs the step with every term free of ``h`` dropped from the state's
   path (``h' = a ⊙ h``), which gives a run's map ``M`` from ``h = 1``;
-* anything else (a state squared, a max, a matrix product with the state): ``"serial"``, the state
+* the new state is a matrix on dim -2 of the old, ``h' = A @ h + b`` for a (..., K, V) state, built of
+  products ``W @ h``, scalings by values constant along V (``h * g[..., None]``) and sums of such (the
+  chunked delta rule: ``h * exp(g_last) + kᵀ @ (v - w @ h)``): ``transition="matrix"``; the
+  homogeneous step then maps any (..., K, W) columns alike, so the run's map ``A`` (..., K, K) is the
+  steps run from the identity, V columns at a time;
+* anything else (a state squared, a max, a transposed state): ``"serial"``, the state
   handed rank to rank in global order (exact, memory 1/N, one run at a time; warned by the rule).
 
 A loop may carry several tensors (RWKV's numerator, denominator and running max). The contract has
@@ -95,6 +100,8 @@ class LoopKernel:
         self.reads, self.outputs, self.others = tuple(reads), tuple(outputs), others
         self.where = where
         self.serial_reason: Optional[str] = None  # why the step is not elementwise affine (loop_kernel sets it)
+        self.tokens_per_entry = 1  # C when each step reads one entry of the sequence viewed in chunks of C
+        self.width: Optional[int] = None  # a matrix transition: the state's traced last dim V (loop_kernel sets it)
         self.__name__ = self.__qualname__ = f"loop_at_{_slug(where)}"
         self.__module__ = __name__
         params = [inspect.Parameter(f"x{i}", inspect.Parameter.KEYWORD_ONLY) for i in range(len(self.reads))]
@@ -105,7 +112,9 @@ class LoopKernel:
 
     @property
     def transition(self) -> str:
-        return "elementwise" if self.hom is not None else "serial"
+        if self.hom is None:
+            return "serial"
+        return "matrix" if self.width is not None else "elementwise"
 
     def __call__(self, *, initial_state: Tensor, homogeneous: bool = False, **kw: Tensor) -> Tuple[Any, ...]:
         xs = [kw[f"x{i}"] for i in range(len(self.reads))]
@@ -115,7 +124,9 @@ class LoopKernel:
         hs = self.unpack(initial_state)
         if homogeneous:
             if self.hom is None:
-                raise RuntimeError(f"cp_compile: the loop at {self.where} is not elementwise affine in its state")
+                raise RuntimeError(f"cp_compile: the loop at {self.where} is not affine in its state")
+            if self.width is not None:
+                return (*[None] * len(self.outputs), self._matrix_map(hs[0], xs, others, steps))
             for t in range(steps):
                 got = self.hom(*hs, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
                 hs = list(got) if k > 1 else [got]
@@ -127,6 +138,19 @@ class LoopKernel:
             for acc, y in zip(ys, got[k:]):
                 acc.append(y)
         return (*[o.collect(y) for o, y in zip(self.outputs, ys)], self.pack(*hs))
+
+    def _matrix_map(self, h: Tensor, xs: List[Tensor], others: List[Tensor], steps: int) -> Tensor:
+        """The homogeneous steps on ``h`` (..., K, W), any W: they act on every column alike, so the
+        columns go through V at a time (the width the step was traced at), the last block zero-padded."""
+        v, blocks = self.width, []
+        for c in range(0, h.shape[-1], v):
+            block = h[..., c:c + v]  # (..., K, w), w <= V
+            w = block.shape[-1]
+            block = torch.nn.functional.pad(block, (0, v - w)) if w < v else block
+            for t in range(steps):
+                block = self.hom(block, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
+            blocks.append(block[..., :w])
+        return torch.cat(blocks, -1)  # (..., K, W)
 
     def pack(self, *states: Tensor) -> Tensor:
         """The one state of the contract: the state itself, or several flattened and concatenated."""
@@ -154,6 +178,7 @@ _DIV = {operator.truediv, torch.div, "div"}
 _ADD = {operator.add, torch.add, "add"}
 _SUB = {operator.sub, torch.sub, "sub"}
 _NEG = {operator.neg, torch.neg, "neg"}
+_MATMUL = {operator.matmul, torch.matmul, "matmul", torch.bmm, "bmm"}
 _SAME = {"type", "to", "float", "double", "half", "bfloat16", "contiguous", "clone", torch.clone}
 
 
@@ -179,6 +204,14 @@ def not_elementwise(step: fx.GraphModule, states: int = 1) -> Optional[str]:
     """Why :func:`homogeneous_step` finds no homogeneous part (the op and its source line), or None."""
     got = _state_path(step, states)
     return None if isinstance(got, fx.GraphModule) else got
+
+
+def matrix_width(step: fx.GraphModule, hom: fx.GraphModule) -> Optional[int]:
+    """V when the homogeneous step ``hom`` of a (..., K, V) state is a matrix on dim -2 (a product
+    ``W @ h`` on its path: :func:`_not_a_matrix` checked the rest), else None (elementwise)."""
+    if not any(n.op == "call_function" and n.target is operator.matmul for n in hom.graph.nodes):
+        return None
+    return int(next(n for n in step.graph.nodes if n.op == "placeholder").meta["example_value"].shape[-1])
 
 
 def _state_path(step: fx.GraphModule, states: int) -> Any:
@@ -209,7 +242,21 @@ def _state_path(step: fx.GraphModule, states: int) -> Any:
         return "a new state does not read its own old value"
     graph.output(dep[outs[0]] if states == 1 else tuple(dep[o] for o in outs))
     graph.eliminate_dead_code()
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return _not_a_matrix(step, graph, states) or fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _not_a_matrix(step: fx.GraphModule, graph: fx.Graph, states: int) -> Optional[str]:
+    """Why a homogeneous part with a product ``W @ h`` is not a matrix on dim -2 of one (..., K, V)
+    state (a scaling that varies along V, several states, a state of one dim), or None."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    if not any(n.target is operator.matmul for n in nodes):
+        return None
+    state = next(n for n in step.graph.nodes if n.op == "placeholder").meta.get("example_value")
+    if states > 1 or not isinstance(state, Tensor) or state.dim() < 2:
+        return "`matmul` reads it, and it is not one state of at least two dims"
+    if any(n.meta.get("along_last") for n in nodes):
+        return "`matmul` reads it, and a scaling of it varies along its last dim"
+    return None
 
 
 def _op_name(n: fx.Node) -> str:
@@ -247,18 +294,48 @@ def _homogeneous(graph: fx.Graph, n: fx.Node, env: Dict[fx.Node, fx.Node],
         return graph.call_function(operator.neg, (dep[args[0]],))
     if len(args) != 2:
         return None
-    x, y = args
-    if kind in _MUL and on.count(True) == 1:
-        return graph.call_function(operator.mul, (dep[x], _value(env, y)) if on[0] else (_value(env, x), dep[y]))
-    if kind in _DIV and on == [True, False]:
-        return graph.call_function(operator.truediv, (dep[x], _value(env, y)))
     if kind in _ADD | _SUB:
-        if on == [True, True]:
-            return graph.call_function(operator.add if kind in _ADD else operator.sub, (dep[x], dep[y]))
-        if on[0]:
-            return dep[x]
-        return dep[y] if kind in _ADD else graph.call_function(operator.neg, (dep[y],))
+        return _summed(graph, kind, args, on, dep)
+    x, y = args
+    if kind in _MATMUL and on == [False, True]:  # W @ h: a matrix on dim -2 of the state
+        return graph.call_function(operator.matmul, (env[x], dep[y])) if _matrices(n, x) else None
+    if kind in _MUL and on.count(True) == 1:
+        args = (dep[x], _value(env, y)) if on[0] else (_value(env, x), dep[y])
+        return _scaled(graph, operator.mul, args, y if on[0] else x)
+    if kind in _DIV and on == [True, False]:
+        return _scaled(graph, operator.truediv, (dep[x], _value(env, y)), y)
     return None
+
+
+def _summed(graph: fx.Graph, kind: Any, args: Tuple[Any, Any], on: List[bool],
+            dep: Dict[fx.Node, fx.Node]) -> fx.Node:
+    """The homogeneous part of ``x ± y``: of both paths, or of the one path (the free term dropped)."""
+    x, y = args
+    if on == [True, True]:
+        return graph.call_function(operator.add if kind in _ADD else operator.sub, (dep[x], dep[y]))
+    if on[0]:
+        return dep[x]
+    return dep[y] if kind in _ADD else graph.call_function(operator.neg, (dep[y],))
+
+
+def _matrices(n: fx.Node, w: Any) -> bool:
+    """Whether ``w @ h`` multiplies matrices (both at least 2-D), so it acts on dim -2 of h."""
+    out, left = n.meta.get("example_value"), _example(w)
+    return isinstance(out, Tensor) and isinstance(left, Tensor) and out.dim() >= 2 and left.dim() >= 2
+
+
+def _scaled(graph: fx.Graph, op: Callable, args: Tuple[Any, Any], free: Any) -> fx.Node:
+    """The homogeneous part of a scaling ``h * a`` / ``h / a``; marked ``along_last`` when ``a`` may vary
+    along the state's last dim (fine for an elementwise step, not for a matrix on dim -2)."""
+    node = graph.call_function(op, args)
+    value = _example(free)
+    node.meta["along_last"] = isinstance(free, fx.Node) and not (
+        isinstance(value, Tensor) and (value.dim() == 0 or value.shape[-1] == 1))
+    return node
+
+
+def _example(a: Any) -> Any:
+    return a.meta.get("example_value") if isinstance(a, fx.Node) else a
 
 
 def _value(env: Dict[fx.Node, fx.Node], a: Any) -> Any:
@@ -273,6 +350,7 @@ def loop_kernel(step: fx.GraphModule, reads: Sequence[StepRead], outputs: Sequen
     got = _state_path(step, k)
     kernel = LoopKernel(step, got if isinstance(got, fx.GraphModule) else None, reads, outputs, others, where, states)
     kernel.serial_reason = None if isinstance(got, fx.GraphModule) else got
+    kernel.width = matrix_width(step, got) if isinstance(got, fx.GraphModule) else None
     return kernel
 
 
@@ -281,4 +359,4 @@ def is_loop_kernel(target: Callable) -> bool:
 
 
 __all__ = ["LoopKernel", "StepOutput", "StepRead", "homogeneous_step", "is_loop_kernel", "loop_kernel",
-           "not_elementwise"]
+           "matrix_width", "not_elementwise"]

@@ -36,8 +36,8 @@ import torch.fx as fx
 
 from ...recurrence.decay_scan import DecayScan
 from ..context import RewriteContext, fake_value, log, source_line
-from ..op_vocab import RESHAPES, is_
 from ..propagate.rules.einsum import parse_equation
+from .chunk_views import nearest_ancestors, tokens_per_entry
 from .fake_emit import FakeEmitter
 
 _PADS = (torch._C._nn.pad, torch.nn.functional.pad)
@@ -97,26 +97,11 @@ def _decay_product(w: fx.Node, x: fx.Node, ws: str, xs: str, out: str):
     return None
 
 
-def _nearest_ancestors(node: fx.Node, limit: int) -> List[fx.Node]:
-    """Up to ``limit`` ancestors of ``node``, nearest first (breadth first)."""
-    seen, frontier, order = {node}, [node], []
-    while frontier and len(order) < limit:
-        nxt = []
-        for n in frontier:
-            for p in n.all_input_nodes:
-                if p not in seen:
-                    seen.add(p)
-                    order.append(p)
-                    nxt.append(p)
-        frontier = nxt
-    return order
-
-
 def _candidates(w: fx.Node) -> List[fx.Node]:
     """Values W might be a function of alone, nearest first: each tensor ancestor whose removal cuts W
     off every graph input (the constants between them are factories: ``ones``, ``tril``)."""
     ndim = fake_value(w).dim() - 1
-    return [a for a in _nearest_ancestors(w, _MAX_SLICE) if isinstance(fake_value(a), torch.Tensor)
+    return [a for a in nearest_ancestors(w, _MAX_SLICE) if isinstance(fake_value(a), torch.Tensor)
             and fake_value(a).dim() == ndim and fake_value(a).is_floating_point() and _cuts(w, a)]
 
 
@@ -203,7 +188,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, a: fx.Node, a_dims: List[Optiona
     else:
         h0 = em.fn(torch.zeros_like, em.fn(operator.getitem, x, (slice(None),) * d + (0,)))
     aligned = _aligned(em, a, a_dims)
-    kernel = DecayScan(d, tokens_per_entry=_chunk_size(x, fake_value(x).shape[d]))
+    kernel = DecayScan(d, tokens_per_entry=tokens_per_entry(x, fake_value(x).shape[d]))
     call = em.fn(kernel, aligned, x, h0)
     entering, final = em.fn(operator.getitem, call, 0), em.fn(operator.getitem, call, 1)
     if prefix is None:  # the inclusive scan: y = exp(a) ⊙ E + x
@@ -218,18 +203,6 @@ def _replace(gm: fx.GraphModule, node: fx.Node, a: fx.Node, a_dims: List[Optiona
         if whole is None:  # y read any other way: [E, final] along d
             whole = em.fn(torch.cat, [entering, em.method("unsqueeze", final, d)], d)
         use.replace_input_with(node, whole)
-
-
-def _chunk_size(x: fx.Node, n: int) -> int:
-    """The tokens per entry of a scan over ``n`` entries: C when the nearest view among x's ancestors that
-    splits a dim into (n, C) made them (the sequence cut into chunks), else 1."""
-    for node in _nearest_ancestors(x, 4 * _MAX_SLICE):
-        if is_(node, RESHAPES):
-            shape, src = tuple(fake_value(node).shape), tuple(fake_value(node.args[0]).shape)
-            for k in range(len(shape) - 1):
-                if shape[k] == n and shape[k + 1] > 1 and n * shape[k + 1] in src:
-                    return int(shape[k + 1])
-    return 1
 
 
 def _prefix(a: fx.Node, a_dims: List[Optional[int]], d: int, x: fx.Node) -> Optional[Tuple[fx.Node, fx.Node, fx.Node]]:

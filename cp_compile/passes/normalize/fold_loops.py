@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...recurrence.loops import LoopKernel, StepOutput, StepRead, loop_kernel
 from ...recurrence.spec import RecurrenceSpec
 from ..context import RewriteContext, fake_value, log, source_line
+from .chunk_views import tokens_per_entry
 from .loop_steps import Family, Loop, find_loops
 
 
@@ -50,6 +51,7 @@ def fold_recurrence_loops(gm: fx.GraphModule, ctx: RewriteContext) -> int:
             log.debug("cp_compile: the loop at %s is left as traced: %s", where, why)
             continue
         kernel, outputs = _kernel(loop, where)
+        kernel.tokens_per_entry = _tokens_per_entry(loop, ctx)
         if not _reproduces(kernel, loop, outputs):
             log.debug("cp_compile: the loop at %s is left as traced (its kernel did not check)", where)
             continue
@@ -82,11 +84,29 @@ def _not_the_sequence(loop: Loop, ctx: RewriteContext) -> Optional[str]:
     held = [n.name for n in ctx.attention if n in loop.claimed]
     if held:
         return f"its steps hold attention ({held[0]}), each split by its own rule"
-    fam = _families(loop)[0]
-    length = fake_value(fam.base).shape[fam.dim]
+    length = _entries(loop) * _tokens_per_entry(loop, ctx)
     if ctx.attention and length != ctx.seq_len:
         return f"it runs along a dim of {length}, not the attention's sequence of {ctx.seq_len}"
     return None
+
+
+def _entries(loop: Loop) -> int:
+    fam = _families(loop)[0]
+    return fake_value(fam.base).shape[fam.dim]
+
+
+def _tokens_per_entry(loop: Loop, ctx: RewriteContext) -> int:
+    """C when the loop steps through the sequence viewed in chunks of C (``q = x.view(B, S // C, C, D)``;
+    ``q[:, i]`` each step) and so covers the attention's sequence (with no attention: the view alone
+    says so); else 1."""
+    n = _entries(loop)
+    if ctx.attention and n == ctx.seq_len:
+        return 1
+    for fam in _families(loop):  # (the first whose chunk view is near enough)
+        c = tokens_per_entry(fam.base, n)
+        if c > 1 and (not ctx.attention or n * c == ctx.seq_len):
+            return c
+    return 1
 
 
 def _shapes(loop: Loop) -> Optional[List[Tuple[int, ...]]]:
@@ -109,13 +129,14 @@ def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
     """The loop's kernel (its step as an FX module, its contract attached) and its outputs."""
     graph, env = fx.Graph(), {}
     for i, c in enumerate(loop.carried):
-        env[c] = graph.placeholder(f"state{i}" if len(loop.carried) > 1 else "state")
+        env[c] = _placeholder(graph, f"state{i}" if len(loop.carried) > 1 else "state", loop.init[c])
     fams = _families(loop)
-    slots = {f: graph.placeholder(f"x{i}") for i, f in enumerate(fams)}
+    first = {fam: read for read, fam in reversed(list(loop.reads.items()))}  # a read of each family (its value)
+    slots = {f: _placeholder(graph, f"x{i}", first[f]) for i, f in enumerate(fams)}
     for read, fam in loop.reads.items():
         env[read] = slots[fam]
     for i, o in enumerate(loop.outers):
-        env[o] = graph.placeholder(f"c{i}")
+        env[o] = _placeholder(graph, f"c{i}", o)
     for d in loop.derived:  # the next step's first ops, which Dynamo's order put in the previous step
         env[d] = graph.node_copy(d, lambda a: env[a])
     writes = {n for n in loop.template if n.target is operator.setitem}
@@ -132,6 +153,15 @@ def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
     return kernel, outputs
 
 
+def _placeholder(graph: fx.Graph, name: str, like: Any) -> fx.Node:
+    """A step input with the example value of the traced node it stands for (the step's analysis reads
+    shapes: :func:`cp_compile.recurrence.loops.homogeneous_step`)."""
+    node = graph.placeholder(name)
+    if isinstance(like, fx.Node) and "example_value" in like.meta:
+        node.meta["example_value"] = like.meta["example_value"]
+    return node
+
+
 def _output(collector: Any) -> StepOutput:
     if isinstance(collector, Family):
         return StepOutput("setitem", collector.dim, fake_value(collector.base).dtype, collector.chunk)
@@ -144,7 +174,7 @@ def _spec(kernel: LoopKernel, fams: List[Family], loop: Loop, outputs: List[Step
     for i, ((_, c), o) in enumerate(zip(loop.collected, outputs)):
         rank = fake_value(c.base if isinstance(c, Family) else c).dim()
         dims[i] = o.dim % rank
-    parallel = kernel.transition == "elementwise"
+    parallel = kernel.transition != "serial"
     return RecurrenceSpec(target=kernel, seq_args={f"x{i}": f.dim for i, f in enumerate(fams)}, outputs=dims,
                           initial_state="initial_state", final_state=len(outputs), transition=kernel.transition,
                           homogeneous="homogeneous" if parallel else None, chunk=fams[0].chunk or 1)

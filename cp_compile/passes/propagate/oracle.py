@@ -26,6 +26,12 @@ returns None and the caller gathers. Verdicts are cached per (target, argument
 structure, shapes, sharded dims), so repeated layers cost one trace. The oracle never
 raises: any exception means "don't know" (logged at DEBUG), i.e. the fallback.
 
+A value holding the sequence in chunks (``Sharded(d, chunk=C)``: dim d has S / C entries, this
+rank's chunks in load-balanced order) is asked the same way with S / C as the length: a strategy
+that keeps Shard(d) computes each entry from that entry alone, so it holds for any set of entries
+in any order; the output is then in chunks of C too, and a whole per-chunk table is indexed by
+this rank's chunks. Every Sharded input must be in the same chunks (or none in chunks).
+
 The same question asked backwards, :func:`rows_from_inputs` ("which inputs carry the rows
 of this output?"), lets :mod:`.row_select` move a row selection above a node.
 """
@@ -55,6 +61,7 @@ class Verdict:
 
     out: Any  # Sharded, or a tuple of Sharded for a multi-output op
     index: Tuple[Tuple[int, int], ...]  # (flat argument position, dim) of whole inputs to shard
+    chunk: int = 1  # tokens per entry of the sequence dims (whole inputs are indexed by chunk)
 
 
 _CACHE: Dict[Any, Optional[Verdict]] = {}
@@ -102,17 +109,23 @@ def _seq_dims(em: "Emitter", node: fx.Node) -> Optional[List[Optional[int]]]:
     return dims
 
 
+def _chunk(em: "Emitter", node: fx.Node) -> Optional[int]:
+    """The tokens per entry of the Sharded inputs' sequence dims (1: tokens); None when they differ."""
+    chunks = {lay.chunk for a in _leaves(node)[0] if isinstance(lay := em.layout(a), Sharded)}
+    return chunks.pop() if len(chunks) == 1 else None
+
+
 def _key(em: "Emitter", node: fx.Node) -> Optional[Any]:
-    """The cache key: target, argument structure, shapes/dtypes, constants and sharded dims."""
+    """The cache key: target, argument structure, shapes/dtypes, constants, sharded dims and chunks."""
     if node.op not in ("call_function", "call_method"):
         return None
     if _in_place(node) and not (node.args and isinstance(em.layout(node.args[0]), Sharded)):
         return None  # in place on a whole value: indexing it by position would update a copy, not the value
-    dims = _seq_dims(em, node)
-    if dims is None:
+    dims, chunk = _seq_dims(em, node), _chunk(em, node)
+    if dims is None or chunk is None:
         return None
     try:
-        return (node.op, node.target, _structure(node, dims), em.ctx.world, em.ctx.seq_len)
+        return (node.op, node.target, _structure(node, dims), em.ctx.world, em.ctx.seq_len, chunk)
     except TypeError:
         return None
 
@@ -142,11 +155,11 @@ def _in_place(node: fx.Node) -> bool:
 
 
 def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
-    dims = _seq_dims(em, node)
-    S, G = em.ctx.seq_len, _token_len(em, node)
+    dims, chunk = _seq_dims(em, node), _chunk(em, node)
+    S, G = em.ctx.seq_len, _token_len(em, node, chunk)
     if G is None:
         return None
-    outer = G // S  # > 1: tokens flattened with outer dims, e.g. (B·S, D) rows (inner 1)
+    outer = G * chunk // S  # > 1: tokens flattened with outer dims, e.g. (B·S, D) rows (inner 1)
     traced = _aten_graph(node, tuple({S, em.ctx.padded_len, G, outer * em.ctx.padded_len}))
     if traced is None:
         return None
@@ -156,7 +169,7 @@ def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
     for _ in range(len(whole) + 1):  # each round may shard one more whole input, then re-runs
         out, want = propagate(graph, seq, em.ctx.world)
         if want is None:
-            return _finish(out, graph, seq, whole, G)
+            return _finish(out, graph, seq, whole, G, chunk)
         p, d = want
         if p not in whole or p in seq or tuple(p.meta["val"].shape)[d] != G:
             return None  # a whole value that is not a per-position table of the node's inputs
@@ -164,12 +177,17 @@ def _verdict(em: "Emitter", node: fx.Node) -> Optional[Verdict]:
     return None
 
 
-def _token_len(em: "Emitter", node: fx.Node) -> Optional[int]:
+def _token_len(em: "Emitter", node: fx.Node, chunk: int) -> Optional[int]:
     """The one global size of the Sharded inputs' token dims: S, or outer·S for tokens flattened
-    with outer dims (inner 1: the rows of a (B·S, D) view); None when they differ."""
+    with outer dims (inner 1: the rows of a (B·S, D) view), or S / C in chunks of C; None when
+    they differ."""
     sizes = {global_shape(a)[lay.dim] for a in _leaves(node)[0] if isinstance(lay := em.layout(a), Sharded)}
-    S = em.ctx.seq_len
-    return sizes.pop() if len(sizes) == 1 and next(iter(sizes)) % S == 0 else None
+    if len(sizes) != 1:
+        return None
+    size, S = sizes.pop(), em.ctx.seq_len
+    if chunk > 1:
+        return size if isinstance(S, int) and size * chunk == S else None
+    return size if size % S == 0 else None
 
 
 def _aten_graph(node: fx.Node, lengths: Tuple[int, ...]) -> Optional[Tuple[fx.GraphModule, List[int], List[fx.Node]]]:
@@ -188,9 +206,10 @@ def _aten_graph(node: fx.Node, lengths: Tuple[int, ...]) -> Optional[Tuple[fx.Gr
 
 
 def _finish(out: Any, graph: fx.GraphModule, seq: Dict[fx.Node, int], whole: Dict[fx.Node, int],
-            S: int) -> Optional[Verdict]:
+            S: int, chunk: int = 1) -> Optional[Verdict]:
     """The verdict from the output placements (every tensor output Shard(d) along a dim of the
-    token length ``S``: the sequence length, or outer·S for flattened tokens)."""
+    token length ``S``: the sequence length, or outer·S for flattened tokens, or the number of
+    chunks, the outputs then in the same ``chunk``)."""
     from torch.distributed.tensor import Shard
 
     if out is None:
@@ -204,10 +223,10 @@ def _finish(out: Any, graph: fx.GraphModule, seq: Dict[fx.Node, int], whole: Dic
     for pl, v in zip(flat, vals):
         if not isinstance(pl, Shard) or not isinstance(v, torch.Tensor) or v.shape[pl.dim] != S:
             return None
-        layouts.append(Sharded(pl.dim))
+        layouts.append(Sharded(pl.dim, chunk=chunk))
     index = tuple((whole[p], d) for p, d in seq.items() if p in whole)
     single = not isinstance(out, (tuple, list))
-    return Verdict(layouts[0] if single else tuple(layouts), index)
+    return Verdict(layouts[0] if single else tuple(layouts), index, chunk)
 
 
 # ----------------------------------------------------------------------------- emitting
@@ -215,8 +234,8 @@ def _emit(em: "Emitter", node: fx.Node, verdict: Verdict) -> Tuple[fx.Node, Any]
     """The original node on the local values; whole per-position inputs indexed by position."""
     leaves, spec = _leaves(node)
     index = dict(verdict.index)
-    new = [em.to_sharded(a, index[i]) if i in index else (em.env[a] if isinstance(a, fx.Node) else a)
-           for i, a in enumerate(leaves)]
+    new = [em.to_sharded(a, index[i], chunk=verdict.chunk) if i in index
+           else (em.env[a] if isinstance(a, fx.Node) else a) for i, a in enumerate(leaves)]
     args, kwargs = tree_unflatten(new, spec)
     return em.copy(node, tuple(args), dict(kwargs)), verdict.out
 

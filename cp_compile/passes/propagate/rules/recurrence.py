@@ -245,7 +245,9 @@ def _probe(em: Emitter, spec: RecurrenceSpec, run: Dict[str, Any], state: Tuple[
     probe = dict(run)
     if spec.homogeneous:  # the kernel drops its own drive (a folded loop: recurrence/loops.py)
         probe[spec.homogeneous] = True
-        return em.call(operator.getitem, _call(em, spec, probe, em.method("new_ones", x, state)), spec.final_state)
+        h = em.method("new_ones", x, state) if spec.transition != "matrix" else \
+            em.call(torch.diag_embed, em.method("new_ones", x, (*state[:-2], state[-2])))  # (..., K, K)
+        return em.call(operator.getitem, _call(em, spec, probe, h), spec.final_state)
     if spec.transition == "elementwise":
         h = em.method("new_ones", x, state)
         for name in spec.drive:

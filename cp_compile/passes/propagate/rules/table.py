@@ -14,7 +14,7 @@ from ..oracle import decide
 from ..placements import Sharded
 from . import (  # noqa: F401  (imported for their @register_rule)
     assoc_scan, attention, autograd_fn, complex, einsum, fill, flex, getitem, halo, losses, order, pointwise,
-    reductions, routing, scans, views, vmap,
+    reductions, routing, scans, setitem, views, vmap,
 )
 from ...analyze.find_recurrences import is_recurrence
 from .recurrence import recurrence
@@ -29,11 +29,15 @@ def apply_rule(em: Emitter, node: fx.Node):
     An input that is a window of the sequence (a slice ``h[:, 1:]``: rules/getitem.py) reaches only
     the rules marked ``@window_aware``; for any other op it is gathered (narrowed to its window) and
     the op runs whole, warned: a rule that assumes S rows must never see n. The same for an input
-    holding the sequence in chunks (``x.view(B, S // C, C, D)``): only ``@chunk_aware`` rules see one."""
+    holding the sequence in chunks (``x.view(B, S // C, C, D)``): only ``@chunk_aware`` rules and, for an
+    op with no rule, the oracle (which reads chunks as it reads tokens) see one."""
     if any(em.windowed(a) for a in _flat_args(node)) and RULES.get(_key(node)) not in WINDOW_AWARE:
         return em.fallback(node, f"{_name(node)} of a slice of the sequence (it has no window-aware rule)")
     if any(_chunked(em, a) for a in _flat_args(node)) and RULES.get(_key(node)) not in CHUNK_AWARE \
             and not is_recurrence(node):  # (a recurrence's rule reads chunks: its steps are the chunks)
+        decided = decide(em, node) if _key(node) not in RULES else None  # the oracle reads chunks too
+        if decided is not None:
+            return decided
         return em.fallback(node, f"{_name(node)} of the sequence viewed in chunks (it has no chunk-aware rule)")
     if involves_local(em, node):
         return local_rule(em, node)

@@ -125,15 +125,17 @@ def expand(em: Emitter, node: fx.Node):
     return em.copy(node, (em.env[x], *sizes), {}), Sharded(out_dim, s.inner, chunk=s.chunk)
 
 
+@chunk_aware
 @register_rule(*SPLITS)
 def along_dim(em: Emitter, node: fx.Node):
-    """chunk / split / unbind / repeat_interleave: fine unless along the sequence dim."""
+    """chunk / split / unbind / repeat_interleave: fine unless along the sequence dim (or its chunks)."""
     x, s = node.args[0], _sharded(em, node.args[0])
     nd, name = _ndim(x), _name(node)
     second = {"unbind": "dim", "repeat_interleave": "repeats"}.get(name, "sections")  # by position if unnamed
     a = arguments(node, ("input", second, "dim"))
     dim, repeats = a.get("dim", 0 if name in ("chunk", "split", "unbind") else None), a.get("repeats")
-    if name == "repeat_interleave" and dim is not None and _norm(dim, nd) == s.dim and type(repeats) is int:
+    if name == "repeat_interleave" and dim is not None and _norm(dim, nd) == s.dim and type(repeats) is int \
+            and s.chunk == 1:
         # each token row repeated r times in place: row t·r + j, i.e. the token dim with inner·r
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(s.dim, s.inner * repeats)
     if dim is None or _norm(dim, nd) == s.dim:
@@ -142,10 +144,11 @@ def along_dim(em: Emitter, node: fx.Node):
     if name == "repeat_interleave":
         return new, s
     n_out = len(node.meta["example_value"])
-    out = Sharded(s.dim - (1 if name == "unbind" and _norm(dim, nd) < s.dim else 0), s.inner)
+    out = Sharded(s.dim - (1 if name == "unbind" and _norm(dim, nd) < s.dim else 0), s.inner, chunk=s.chunk)
     return new, tuple(out for _ in range(n_out))
 
 
+@chunk_aware
 @register_rule(*JOINS)
 def concat(em: Emitter, node: fx.Node):
     """cat / stack of operands that share one sequence layout, not along the sequence dim.
@@ -160,19 +163,21 @@ def concat(em: Emitter, node: fx.Node):
         out, dtype = em.env[tensors[0]], node.meta["example_value"].dtype
         same = tensors[0].meta["example_value"].dtype == dtype
         return (out if same else em.method("to", out, dtype)), _sharded(em, tensors[0])
-    lays = {(s.dim, s.inner) for t in tensors if (s := _sharded(em, t))}
+    lays = {(s.dim, s.inner, s.chunk) for t in tensors if (s := _sharded(em, t))}
     nd = _ndim(tensors[0])
-    seq_dim, inner = lays.pop() if len(lays) == 1 else (None, 1)
+    seq_dim, inner, chunk = lays.pop() if len(lays) == 1 else (None, 1, 1)
     is_stack = node.target is torch.stack
-    if not is_stack and seq_dim is not None and _norm(dim, nd) == seq_dim and _flattened_tokens(em, tensors, seq_dim):
+    if not is_stack and seq_dim is not None and _norm(dim, nd) == seq_dim and chunk == 1 \
+            and _flattened_tokens(em, tensors, seq_dim):
         # rows of flattened tokens (B·S, ...) stacked: locally (outer_1 + outer_2 + ...)·c rows, outer-major
         return em.copy(node, *em.value((node.args, node.kwargs))), Sharded(seq_dim, inner)
     if seq_dim is None or (not is_stack and _norm(dim, nd) == seq_dim):
         return em.fallback(node, f"{_name(node)} along the sequence dim")
-    conv = {t: em.to_sharded(t, seq_dim, inner) for t in tensors if not _sharded(em, t)}
+    conv = {t: em.to_sharded(t, seq_dim, inner, chunk=chunk) for t in tensors if not _sharded(em, t)}
     new_list = [conv.get(t, em.env[t]) for t in tensors]
     out_dim = seq_dim + (1 if is_stack and _norm(dim, nd + 1) <= seq_dim else 0)
-    return em.copy(node, (new_list, *em.value(node.args[1:])), em.value(node.kwargs)), Sharded(out_dim, inner)
+    out = Sharded(out_dim, inner, chunk=chunk)
+    return em.copy(node, (new_list, *em.value(node.args[1:])), em.value(node.kwargs)), out
 
 
 def _flattened_tokens(em: Emitter, tensors: list, dim: int) -> bool:
