@@ -7,8 +7,9 @@ with one causal attention layer after the first), one training step through ring
 calling the same registered kernel (one opaque op, run eagerly, chunk by chunk):
 
 - per-rank peak above the resident size before the step (benchmarks/common.py), N over 1;
-- bytes each rank receives per recurrent layer for the state exchange, from the record (the cost
-  model: N·k summaries of (map, state)), at two sequence lengths (must be equal: independent of S);
+- bytes each rank receives per recurrent layer for the state exchange, counted where they are sent
+  (``cp_compile.traffic``: the exchange op adds what it gathers) beside the record's cost-model figure
+  (N·k summaries of (map, state)), at two sequence lengths (must be equal: independent of S);
 - the step time at N = 2 with the kernel declared ``"elementwise"`` (one all-gather, all runs at
   once) against the same kernel declared ``"serial"`` (state handed rank to rank): the parallel
   path is not serial; and N = 1 on the same total work.
@@ -116,10 +117,12 @@ def rank_run(rank: int, world: int, seq: int, layers: int, hybrid: bool, transit
     model = Model(layers, hybrid)
     u = torch.randn(1, seq, E)
     backend = cp_compile.RingCP(inner="aot_eager") if world > 1 else "aot_eager"
-    m = common.measure_train_step(model, torch.compile(model, backend=backend, fullgraph=True), (u,), world)
+    with cp_compile.traffic.measure() as sent:  # the warm-up step and the measured one
+        m = common.measure_train_step(model, torch.compile(model, backend=backend, fullgraph=True), (u,), world)
     if world > 1:
         rec = backend.records[-1]
         m["state_bytes_per_layer"] = [int(line.split(" B received")[0].rsplit(" ", 1)[1]) for line in rec.recurrences]
+        m["state_bytes_sent_per_layer"] = sent.get("state exchange", 0) // (2 * layers)
         m["fallbacks"] = len(rec.fallbacks)
     return m
 
@@ -166,7 +169,8 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
                 peak = max(x["peak_above_mib"] for x in row["ranks"]) / one["ranks"][0]["peak_above_mib"]
                 out.append(f"{model} S={row['seq_len']}: N={world} per-rank peak {peak:.2f}x of one process; step "
                            f"{max(x['seconds'] for x in row['ranks']):.2f} s vs {one['ranks'][0]['seconds']:.2f} s; "
-                           f"state bytes per layer {row['ranks'][0]['state_bytes_per_layer']}")
+                           f"state bytes per layer {row['ranks'][0]['state_bytes_per_layer']} (record), "
+                           f"{row['ranks'][0]['state_bytes_sent_per_layer']} (counted where sent)")
         par, ser = get(model, 2), get(model, 2, "serial")
         if par and ser:
             out.append(f"{model}: N=2 serial / elementwise step time "
@@ -174,7 +178,7 @@ def summarize(rows: List[Dict[str, Any]]) -> List[str]:
     lens = sorted({r["seq_len"] for r in rows if r["model"] == "Mamba2" and r["world"] == 2
                    and r["transition"] == "elementwise" and isinstance(r["ranks"], list)})
     out.append("Mamba2 N=2 state bytes per layer by S: " + ", ".join(
-        f"S={s}: {get('Mamba2', 2, seq=s)['ranks'][0]['state_bytes_per_layer']}" for s in lens))
+        f"S={s}: {get('Mamba2', 2, seq=s)['ranks'][0]['state_bytes_sent_per_layer']} sent" for s in lens))
     return out
 
 

@@ -160,6 +160,32 @@ def test_a_chunked_delta_rule_is_exact_and_never_gathered(ranks, style, world, s
         assert line.startswith("loop_at_") and f"state passing, {want} maps" in line, (rank, line)
 
 
+def _bytes_sent(seq: int) -> dict:
+    import cp_compile
+    from cp_compile import traffic
+
+    torch.manual_seed(0)
+    model = LinearMixer(4, "rows", 3).double()
+    x = torch.randn(2, seq, E, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    backend = cp_compile.RingCP(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(x).backward()  # compile
+    with traffic.measure() as sent:
+        compiled(x).backward()
+    return {"sent": dict(sent), "record": backend.records[-1].recurrences}
+
+
+@pytest.mark.multirank
+def test_the_state_exchange_bytes_are_counted_where_sent_and_do_not_grow_with_s(ranks) -> None:
+    """Each rank receives N·k (map, state) summaries per step, and sends back as many gradients:
+    (B, H, K, K) + (B, H, K, V) fp64 per run, 2 ranks × 2 zig-zag runs, at S = 32 and 64 alike."""
+    want = 2 * 2 * (2 * H * K * K + 2 * H * K * 3) * 8  # = 3584 B
+    for seq in (32, 64):
+        for rank, r in enumerate(ranks.run(2, _bytes_sent, seq, timeout=300)):
+            assert r["sent"] == {"state exchange": want, "state exchange grad": want}, (seq, rank, r)
+            assert f"{want} B received per rank" in r["record"][0], (seq, rank, r["record"])
+
+
 def test_explain_names_the_loop_its_matrix_maps_and_bytes() -> None:
     record = explain_record(LinearMixer(4, "rows", 3).double(), (torch.randn(2, 32, E, dtype=torch.float64),),
                             world_size=4, rank=1)

@@ -7,15 +7,20 @@ local work, all ranks at once); one all-gather exchanges them; every rank then c
 *global* order (zig-zag runs are not contiguous on a rank), which is a loop over the N·k runs of
 state-sized ops:
 
-    maps (k, *M), finals (k, *h) ── pack, gather_stack ──> (N, k, |M| + |h|)   one collective
+    maps (k, *M), finals (k, *h) ── pack, exchange ──> (N, k, |M| + |h|)       one collective
     h = h0
     for (r, j) in global order:           # run (r, j): rank r's j-th run
         incoming[r, j] = h
         h = M[r, j] ∘ h + c[r, j]
     -> (this rank's incoming states..., h: the state leaving the sequence)
 
-Gradients are autograd's: through the composition and ``gather_stack`` (a reduce-scatter backward),
-so each rank's summaries get the sum of every rank's share (the contract of :mod:`cp_compile.graph_ops`).
+Gradients are autograd's: through the composition and the exchange (a reduce-scatter backward), so
+each rank's summaries get the sum of every rank's share (the contract of ``graph_ops.gather_stack``).
+The exchange is its own custom op, ``cp_compile::state_exchange`` (and ``state_exchange_grad`` for the
+backward), so that its bytes are counted where they are sent (:mod:`cp_compile.traffic`, kinds
+``"state exchange"`` and ``"state exchange grad"``: the bytes each rank receives, its own share
+included, which is the record's figure), as the ring's are; a functional all-gather traced into the
+graph runs no Python at run time.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from ..graph_ops import gather_stack
+import torch.distributed as dist
+
+from .. import traffic
+from ..group import group_by_name
 
 Tensor = torch.Tensor
 
@@ -44,7 +52,7 @@ def incoming_states(maps: Tensor, finals: Tensor, h0: Tensor, world: int, group_
     k, state = finals.shape[0], finals.shape[1:]
     width = maps[0].numel()
     packed = torch.cat([maps.reshape(k, -1), finals.reshape(k, -1).to(maps.dtype)], 1)  # (k, |M| + |h|)
-    stacked = gather_stack(packed, world, group_name)  # (N, k, |M| + |h|), the same on every rank
+    stacked = state_exchange(packed, world, group_name)  # (N, k, |M| + |h|), the same on every rank
     h = h0.to(finals.dtype).expand(state)
     incoming: List[Tensor] = [h] * k
     for r, j in order:
@@ -54,6 +62,45 @@ def incoming_states(maps: Tensor, finals: Tensor, h0: Tensor, world: int, group_
         c = stacked[r, j, width:].view(state)
         h = apply_map(kind, m, h, c)
     return (*incoming, h)
+
+
+@torch.library.custom_op("cp_compile::state_exchange", mutates_args=())
+def state_exchange(x: Tensor, world: int, group_name: str) -> Tensor:
+    """Every rank's ``x`` (k, w) stacked in rank order, (N, k, w): one all-gather, its bytes counted."""
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # (N·k, w)
+    traffic.add("state exchange", out.numel() * out.element_size())
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group_by_name(group_name).pg)
+    return out.view(world, *x.shape)
+
+
+@state_exchange.register_fake
+def _state_exchange_fake(x: Tensor, world: int, group_name: str) -> Tensor:
+    return x.new_empty((world, *x.shape))
+
+
+@torch.library.custom_op("cp_compile::state_exchange_grad", mutates_args=())
+def state_exchange_grad(grad: Tensor, world: int, group_name: str) -> Tensor:
+    """The exchange's backward: a reduce-scatter of every rank's share of (N, k, w), (k, w) each."""
+    out = grad.new_empty(grad.shape[1:])
+    traffic.add("state exchange grad", grad.numel() * grad.element_size())
+    dist.reduce_scatter_tensor(out, grad.contiguous().view(-1, *grad.shape[2:]), group=group_by_name(group_name).pg)
+    return out
+
+
+@state_exchange_grad.register_fake
+def _state_exchange_grad_fake(grad: Tensor, world: int, group_name: str) -> Tensor:
+    return grad.new_empty(grad.shape[1:])
+
+
+def _exchange_context(ctx, inputs, output) -> None:
+    ctx.world, ctx.group_name = inputs[1], inputs[2]
+
+
+def _exchange_backward(ctx, grad: Tensor):
+    return state_exchange_grad(grad, ctx.world, ctx.group_name), None, None
+
+
+state_exchange.register_autograd(_exchange_backward, setup_context=_exchange_context)
 
 
 @torch.library.custom_op("cp_compile::keep_alive", mutates_args=())
@@ -101,4 +148,4 @@ def _numel(shape: Sequence[int]) -> int:
     return out
 
 
-__all__ = ["apply_map", "incoming_states", "keep_alive", "summary_bytes"]
+__all__ = ["apply_map", "incoming_states", "keep_alive", "state_exchange", "summary_bytes"]

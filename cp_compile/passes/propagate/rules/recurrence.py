@@ -4,7 +4,7 @@
     on each rank, its k runs of L tokens (zig-zag: k = 2, contiguous: k = 1), padding set to the identity step:
         c_j = kernel(run_j, initial_state=0).final                            # (B, H, K, V), the run from a zero state
         M_j = kernel(run_j, drive = 0, initial_state=1 | I).final    # elementwise (B, H, K, V) | matrix (B, H, K, K)
-        h_in_0..k-1, h = incoming_states(M, c, h0, ...)                       # one gather_stack of N·k summaries
+        h_in_0..k-1, h = incoming_states(M, c, h0, ...)                       # one all-gather of N·k summaries
         o_j = kernel(run_j, initial_state=h_in_j).out                         # (B, L, H, D)
     -> o = cat(o_j) Sharded(1), h Global
 
