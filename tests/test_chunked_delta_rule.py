@@ -175,6 +175,7 @@ def _bytes_sent(seq: int) -> dict:
     return {"sent": dict(sent), "record": backend.records[-1].recurrences}
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_the_state_exchange_bytes_are_counted_where_sent_and_do_not_grow_with_s(ranks) -> None:
     """Each rank receives N·k (map, state) summaries per step, and sends back as many gradients:

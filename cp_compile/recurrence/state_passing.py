@@ -69,7 +69,7 @@ def state_exchange(x: Tensor, world: int, group_name: str) -> Tensor:
     """Every rank's ``x`` (k, w) stacked in rank order, (N, k, w): one all-gather, its bytes counted."""
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # (N·k, w)
     traffic.add("state exchange", out.numel() * out.element_size())
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group_by_name(group_name).pg)
+    dist.all_gather_single(out, x.contiguous(), group=group_by_name(group_name).pg)
     return out.view(world, *x.shape)
 
 
@@ -83,7 +83,7 @@ def state_exchange_grad(grad: Tensor, world: int, group_name: str) -> Tensor:
     """The exchange's backward: a reduce-scatter of every rank's share of (N, k, w), (k, w) each."""
     out = grad.new_empty(grad.shape[1:])
     traffic.add("state exchange grad", grad.numel() * grad.element_size())
-    dist.reduce_scatter_tensor(out, grad.contiguous().view(-1, *grad.shape[2:]), group=group_by_name(group_name).pg)
+    dist.reduce_scatter_single(out, grad.contiguous().view(-1, *grad.shape[2:]), group=group_by_name(group_name).pg)
     return out
 
 
