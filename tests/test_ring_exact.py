@@ -255,3 +255,43 @@ def _strided_rank_fn() -> dict:
 def test_head_dim_not_innermost_is_exact(ranks):
     for rank, errs in enumerate(ranks.run(2, _strided_rank_fn)):
         assert max(errs.values()) <= FP32_RTOL, (rank, errs)
+
+
+def _issued(rotate: str) -> dict:
+    """On a rank: the collectives the ring issues for one forward + backward with ``rotate``, counted
+    at the torch.distributed calls made from cp_compile.ring.comm (not the options' agreement check)."""
+    import sys
+    from unittest import mock
+
+    import cp_compile.ring.comm as comm
+
+    calls: dict = {}
+
+    def counting(name):
+        real = getattr(comm.dist, name)
+
+        def call(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename == comm.__file__:  # the K/V and dK/dV transfers only
+                calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+        return call
+
+    cfg = {"b": 1, "h": 2, "hkv": 2, "s": 16, "d": 16, "seed": 0, "lb": "zigzag", "causal": True, "kernel": "aten"}
+    names = ("batch_isend_irecv", "all_gather_single", "all_to_all_single")
+    with mock.patch.multiple(comm.dist, **{n: counting(n) for n in names}):
+        ring_fwd_bwd(*make_inputs(cfg), cfg, rotate, torch.float32)
+    return calls
+
+
+def test_each_rotate_issues_its_own_collectives(ranks):
+    """``rotate`` is observed, not only its numbers. p2p posts N - 1 K/V hops forward; backward, the
+    N - 1 K/V hops again and one dK/dV hop after each of the N steps (the accumulators travel home):
+    3N - 2 batches, no all-gather. allgather posts one all-gather of the K/V blocks forward and one
+    backward, and one all-to-all of the dK/dV blocks, no p2p hop."""
+    n = 4
+    for r in ranks.run(n, _issued, "p2p", timeout=120):
+        assert r.get("all_gather_single", 0) == 0 and r.get("all_to_all_single", 0) == 0, r
+        assert r["batch_isend_irecv"] == 3 * n - 2, r
+    for r in ranks.run(n, _issued, "allgather", timeout=120):
+        assert r.get("batch_isend_irecv", 0) == 0, r
+        assert r["all_gather_single"] == 2 and r["all_to_all_single"] == 1, r
