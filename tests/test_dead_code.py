@@ -97,3 +97,51 @@ def test_calls_made_for_their_effect_stay(ranks) -> None:
     for rank, r in enumerate(ranks.run(2, _vmapped, timeout=240)):
         assert r["nesting"] == 1 and r["rings"] == 1, (rank, r)
         assert r["loss"] <= 1e-5 and r["grad"] <= 1e-5, (rank, r)
+
+
+
+class DeadCopies(nn.Module):
+    """Hand-written causal attention with dead copies of its scores and weights, next to a dead in-place
+    add on a value that is read (kept) and a dead dropout (kept: it draws random numbers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S, D)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / (DIM // HEADS) ** 0.5
+        kept = scores.clone()  # never read
+        kept.float().transpose(-1, -2)  # nor these
+        F.dropout(x, 0.5, self.training)  # never read, but it draws random numbers
+        y = x * 1.0
+        y += 1.0  # its result unread, its write read below
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        weights = torch.softmax(scores, -1)
+        weights.detach()  # never read
+        out = weights @ v
+        return out.transpose(1, 2).reshape(b, s, DIM) + y
+
+
+def test_dead_copies_of_the_scores_do_not_hide_the_attention() -> None:
+    """Dead copies made the matcher see the scores "also used elsewhere" and leave the attention whole:
+    now they are no readers, the attention is the ring, and the copies go with the scores; what has
+    an effect of its own stays."""
+    from cp_compile.group import CPGroup
+    from cp_compile.passes.context import RewriteContext
+    from cp_compile.passes.normalize.fuse_attention import fuse_attention
+    from checks import explain_record
+
+    record = explain_record(DeadCopies(), (torch.randn(2, SEQ, DIM),))
+    assert record.rings == 1 and not record.fallbacks, record
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(DeadCopies().train(), backend=lambda gm, ex: graphs.append(gm) or gm, fullgraph=True)(
+        torch.randn(2, SEQ, DIM))
+    gm = graphs[0]
+    assert fuse_attention(gm, RewriteContext(group=CPGroup(pg=None, rank=0, size=2))) == 1, gm.code
+    names = [getattr(n.target, "__name__", n.target) for n in gm.graph.nodes]
+    assert not {"clone", "softmax", "float", "detach"} & set(names), names  # the chain and its dead copies
+    assert names.count("transpose") == 1, names  # the output's (kᵀ and the dead copy's went)
+    assert "dropout" in names and "iadd" in names, names

@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from ..op_vocab import (ADD, BADDBMM, CASTS, DIV, DROPOUT, EINSUM, MASKED_FILL, MATMUL, MUL, SOFTMAX, SUB, VIEWS,
                        WHERE, arguments, is_, same, tensor)
+from .dead_values import live_users
 
 LEARNED_BIAS = ("its bias requires grad and is not a rule of positions over whole learned tables (it is computed "
                 "from activations); the ring op applies biases of positions and learned tables only")
@@ -111,7 +112,8 @@ def match_attention(softmax: fx.Node) -> Tuple[Optional[Match], str]:
 
 
 def _only_user(node: fx.Node) -> Optional[fx.Node]:
-    return next(iter(node.users)) if len(node.users) == 1 else None
+    users = live_users(node)  # a dead copy of the weights is no reader (dead_values.py)
+    return users[0] if len(users) == 1 else None
 
 
 def _forward(softmax: fx.Node) -> Tuple[Optional[Match], str]:
@@ -121,7 +123,7 @@ def _forward(softmax: fx.Node) -> Tuple[Optional[Match], str]:
         user = _only_user(node)
         if user is None:
             return None, ("the attention weights (softmax) are also used elsewhere (returned, or regularised)"
-                          if len(node.users) > 1 else "")
+                          if len(live_users(node)) > 1 else "")
         if (is_(user, CASTS) or _regroups(user)) and user.args[0] is node:
             node = user
         elif is_(user, DROPOUT) and arguments(user, ("input",))["input"] is node:
@@ -296,7 +298,7 @@ def _backward(m: Match, scores: fx.Node) -> Optional[str]:
     while True:
         if not isinstance(node, fx.Node):
             return ""
-        if len(node.users) - _dtype_reads(node, m.chain) != 1:
+        if len(live_users(node)) - _dtype_reads(node, m.chain) != 1:  # dead copies are no readers
             return "the attention scores are also used elsewhere"
         below.append(node)
         product = _product_qk(m, node, walk.mult)

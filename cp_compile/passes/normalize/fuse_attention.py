@@ -51,6 +51,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .attention_match import Match, Operand, Term, is_softmax, match_attention
+from .dead_values import dead_branch
 from ..op_vocab import ALIASING, arguments, is_ as _is, same as _same, tensor as _tensor, writes_in_place
 from ..context import RewriteContext, log, source_line
 from .fake_emit import FakeEmitter
@@ -289,6 +290,8 @@ def _replace(graph: fx.Graph, m: Match) -> bool:
             and isinstance(kt_ops[-1].args[0], fx.Node):
         kt_ops.append(kt_ops[-1].args[0])
     for node in list(reversed(m.chain)) + kt_ops + (causal_nodes or []):  # users before their inputs
+        for dead in dead_branch(node):  # a dead copy of the scores (dead_values.py)
+            graph.erase_node(dead)
         if not getattr(node, "_erased", False) and not node.users and node.op in ("call_function", "call_method"):
             graph.erase_node(node)
     log.info("cp_compile: hand-written attention at %s became scaled_dot_product_attention%s",
