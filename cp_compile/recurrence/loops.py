@@ -209,9 +209,17 @@ def not_elementwise(step: fx.GraphModule, states: int = 1) -> Optional[str]:
 def matrix_width(step: fx.GraphModule, hom: fx.GraphModule) -> Optional[int]:
     """V when the homogeneous step ``hom`` of a (..., K, V) state is a matrix on dim -2 (a product
     ``W @ h`` on its path: :func:`_not_a_matrix` checked the rest), else None (elementwise)."""
-    if not any(n.op == "call_function" and n.target is operator.matmul for n in hom.graph.nodes):
-        return None
-    return int(next(n for n in step.graph.nodes if n.op == "placeholder").meta["example_value"].shape[-1])
+    return int(_state_value(step).shape[-1]) if _has_product(hom.graph) else None
+
+
+def _has_product(graph: fx.Graph) -> bool:
+    """Whether a homogeneous part holds a product ``W @ h`` (the only matmul :func:`_homogeneous` emits)."""
+    return any(n.op == "call_function" and n.target is operator.matmul for n in graph.nodes)
+
+
+def _state_value(step: fx.GraphModule) -> Any:
+    """The example value of the step's (first) state input."""
+    return next(n for n in step.graph.nodes if n.op == "placeholder").meta.get("example_value")
 
 
 def _state_path(step: fx.GraphModule, states: int) -> Any:
@@ -248,13 +256,12 @@ def _state_path(step: fx.GraphModule, states: int) -> Any:
 def _not_a_matrix(step: fx.GraphModule, graph: fx.Graph, states: int) -> Optional[str]:
     """Why a homogeneous part with a product ``W @ h`` is not a matrix on dim -2 of one (..., K, V)
     state (a scaling that varies along V, several states, a state of one dim), or None."""
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    if not any(n.target is operator.matmul for n in nodes):
+    if not _has_product(graph):
         return None
-    state = next(n for n in step.graph.nodes if n.op == "placeholder").meta.get("example_value")
+    state = _state_value(step)
     if states > 1 or not isinstance(state, Tensor) or state.dim() < 2:
         return "`matmul` reads it, and it is not one state of at least two dims"
-    if any(n.meta.get("along_last") for n in nodes):
+    if any(n.meta.get("along_last") for n in graph.nodes):
         return "`matmul` reads it, and a scaling of it varies along its last dim"
     return None
 

@@ -16,7 +16,7 @@ matcher reads.
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Optional
 
 import torch.fx as fx
 
@@ -28,14 +28,19 @@ DROPPABLE = (CASTS | VIEWS | FLATTENS | SQUEEZES | PERMUTES | SHAPE_VIEWS | VALU
              | ADD | SUB | MASKED_FILL | WHERE | SOFTMAX | {"detach"}) - IN_PLACE_OPERATORS
 
 
-def is_dead(node: fx.Node) -> bool:
-    """Whether ``node`` is droppable and every reader of it is dead too (none at all: dead)."""
-    return is_(node, DROPPABLE) and not writes_in_place(node) and all(is_dead(u) for u in node.users)
+def is_dead(node: fx.Node, memo: Optional[Dict[fx.Node, bool]] = None) -> bool:
+    """Whether ``node`` is droppable and every reader of it is dead too (none at all: dead). ``memo``
+    keeps the answers of one question, so a shared reader is asked once."""
+    memo = {} if memo is None else memo
+    if node not in memo:
+        memo[node] = is_(node, DROPPABLE) and not writes_in_place(node) and all(is_dead(u, memo) for u in node.users)
+    return memo[node]
 
 
 def live_users(node: fx.Node) -> List[fx.Node]:
     """``node``'s users that are not dead branches."""
-    return [u for u in node.users if not is_dead(u)]
+    memo: Dict[fx.Node, bool] = {}
+    return [u for u in node.users if not is_dead(u, memo)]
 
 
 def dead_branch(node: fx.Node) -> List[fx.Node]:
@@ -48,8 +53,9 @@ def dead_branch(node: fx.Node) -> List[fx.Node]:
                 visit(u)
                 out.append(u)
 
+    memo: Dict[fx.Node, bool] = {}
     for u in node.users:
-        if is_dead(u) and u not in out:
+        if is_dead(u, memo) and u not in out:
             visit(u)
             out.append(u)
     return out

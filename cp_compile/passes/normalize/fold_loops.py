@@ -45,13 +45,15 @@ def fold_recurrence_loops(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     """Replace every foldable unrolled loop by one :class:`LoopKernel` call; the count."""
     count = 0
     for loop in find_loops(gm):
-        why = _unfoldable(loop) or _not_the_sequence(loop, ctx)
+        why = _unfoldable(loop)
+        unit = _tokens_per_entry(loop, ctx) if why is None else 1
+        why = why or _not_the_sequence(loop, ctx, unit)
         where = source_line(loop.template[0])
         if why is not None:
             log.debug("cp_compile: the loop at %s is left as traced: %s", where, why)
             continue
         kernel, outputs = _kernel(loop, where)
-        kernel.tokens_per_entry = _tokens_per_entry(loop, ctx)
+        kernel.tokens_per_entry = unit
         if not _reproduces(kernel, loop, outputs):
             log.debug("cp_compile: the loop at %s is left as traced (its kernel did not check)", where)
             continue
@@ -78,13 +80,13 @@ def _unfoldable(loop: Loop) -> Optional[str]:
     return None
 
 
-def _not_the_sequence(loop: Loop, ctx: RewriteContext) -> Optional[str]:
+def _not_the_sequence(loop: Loop, ctx: RewriteContext, unit: int) -> Optional[str]:
     """Why a loop is not a recurrence over the attention's sequence (a loop over heads or layers, left to
     the rules node by node), or None. With no attention in the graph its length is the sequence's."""
     held = [n.name for n in ctx.attention if n in loop.claimed]
     if held:
         return f"its steps hold attention ({held[0]}), each split by its own rule"
-    length = _entries(loop) * _tokens_per_entry(loop, ctx)
+    length = _entries(loop) * unit  # (unit: the tokens per step's entry)
     if ctx.attention and length != ctx.seq_len:
         return f"it runs along a dim of {length}, not the attention's sequence of {ctx.seq_len}"
     return None

@@ -42,7 +42,7 @@ value: it costs nothing, and the result is Global.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -71,16 +71,26 @@ def getitem(em: Any, node: fx.Node):
         looked_up = _table_lookup(em, node, index) if not isinstance(s, Sharded) else \
             _read_at(em, node, s, index) or _read_masked(em, node, s, index)
         return looked_up if looked_up is not None else em.fallback(node, "indexing with tensors on a sharded value")
+    at, out_dim = seq_entry(index, s.dim)
+    if at is not None:
+        return _index_seq_dim(em, node, s, index, at, out_dim)
+    return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim)
+
+
+def seq_entry(index: tuple, seq_dim: int) -> Tuple[Optional[int], int]:
+    """Where a basic ``index`` (no ``...``) meets dim ``seq_dim`` of the indexed value: (the entry's
+    position in ``index``, the dim it lands at in ``x[index]``), or (None, the dim ``seq_dim`` becomes)
+    when the index ends before it."""
     in_dim, out_dim = 0, 0
     for at, i in enumerate(index):
         if i is None:
             out_dim += 1
             continue
-        if in_dim == s.dim:
-            return _index_seq_dim(em, node, s, index, at, out_dim)
+        if in_dim == seq_dim:
+            return at, out_dim
         out_dim += 0 if isinstance(i, int) else 1
         in_dim += 1
-    return em.copy(node, (em.env[x], em.value(node.args[1])), {}), s.moved(out_dim + s.dim - in_dim)
+    return None, out_dim + seq_dim - in_dim
 
 
 def _index_seq_dim(em: Any, node: fx.Node, s: Sharded, index: tuple, at: int, out_dim: int):

@@ -243,20 +243,15 @@ def _probe(em: Emitter, spec: RecurrenceSpec, run: Dict[str, Any], state: Tuple[
     """The run's map of the state: the kernel from 1 (elementwise) or I (matrix) with the drive zeroed."""
     x = _any_tensor(spec, run)
     probe = dict(run)
+    if spec.transition == "matrix":  # (..., K, V) state, A on dim -2: from the identity (..., K, K)
+        h = em.call(torch.diag_embed, em.method("new_ones", x, state[:-1]))
+    else:
+        h = em.method("new_ones", x, state)
     if spec.homogeneous:  # the kernel drops its own drive (a folded loop: recurrence/loops.py)
         probe[spec.homogeneous] = True
-        h = em.method("new_ones", x, state) if spec.transition != "matrix" else \
-            em.call(torch.diag_embed, em.method("new_ones", x, (*state[:-2], state[-2])))  # (..., K, K)
-        return em.call(operator.getitem, _call(em, spec, probe, h), spec.final_state)
-    if spec.transition == "elementwise":
-        h = em.method("new_ones", x, state)
-        for name in spec.drive:
-            probe[name] = em.call(torch.zeros_like, run[name])
-    else:  # (..., K, V) state, A on dim -2: the drive K wide, from the identity (..., K, K)
-        k = state[-2]
-        h = em.call(torch.diag_embed, em.method("new_ones", x, (*state[:-2], k)))
-        for name in spec.drive:
-            probe[name] = em.call(_resized_zeros, run[name], k)
+    for name in () if spec.homogeneous else spec.drive:  # the drive zeroed (K wide for a matrix)
+        probe[name] = em.call(torch.zeros_like, run[name]) if spec.transition == "elementwise" else \
+            em.call(_resized_zeros, run[name], state[-2])
     return em.call(operator.getitem, _call(em, spec, probe, h), spec.final_state)
 
 

@@ -26,7 +26,7 @@ from ...context import fake_value, global_shape
 from ..emitter import Emitter
 from ..oracle import decide
 from ..placements import Sharded
-from .getitem import _covers, _expand_ellipsis
+from .getitem import _covers, _expand_ellipsis, seq_entry
 from .registry import chunk_aware, register_rule
 
 
@@ -49,25 +49,11 @@ def _refusal(em: Emitter, dst: fx.Node, index: Any, value: Any) -> Optional[str]
     full = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(global_shape(dst)))
     if full is None or any(isinstance(i, fx.Node) for i in full):
         return "with tensor indices"
-    seq_at = _seq_dim_after(full, s.dim, global_shape(dst)[s.dim], em.ctx.seq_sym is not None)
-    if seq_at is None:
+    at, seq_at = seq_entry(full, s.dim)
+    if at is not None and not _covers(full[at], global_shape(dst)[s.dim], em.ctx.seq_sym is not None):
         return "at some positions of the sequence only"
     view = fake_value(dst)[tuple(full)]  # (global shapes) the written view
     return _value_refusal(em, value, seq_at, view.dim(), s.chunk)
-
-
-def _seq_dim_after(index: tuple, seq_dim: int, size: int, symbolic: bool) -> Optional[int]:
-    """The sequence dim of ``dst[index]``, or None when the index does not take all of it."""
-    in_dim, out_dim = 0, 0
-    for i in index:
-        if i is None:
-            out_dim += 1
-            continue
-        if in_dim == seq_dim:
-            return out_dim if _covers(i, size, symbolic) else None
-        out_dim += 0 if isinstance(i, int) else 1
-        in_dim += 1
-    return out_dim + seq_dim - in_dim  # the sequence dim after the index's last entry
 
 
 def _value_refusal(em: Emitter, value: Any, seq_at: int, ndim: int, chunk: int) -> Optional[str]:
