@@ -275,3 +275,38 @@ def test_writes_off_the_sequence_dim_stay_sharded_and_a_write_at_a_position_is_n
     why = explain_record(_Writes("position"), (x,)).fallbacks
     assert why and "setitem at some positions of the sequence only" in why[0], why
 
+
+
+class _WritesAndChunkSplits(nn.Module):
+    """Writes off the sequence dim into a per-token buffer, a split and a cat of the sequence viewed
+    in chunks, then a causal attention: each rank's own positions throughout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S, E)
+        b, s, _ = x.shape
+        y = self.proj(x) * 2
+        y[..., :2] = 0.0  # every position's first two features
+        y[:, :, 2:4] = x[:, :, :2]  # a per-token value at the same positions
+        lo, hi = y.view(b, s // 4, 4, E).split(E // 2, -1)  # (B, S/4, 4, E/2) each, in chunks
+        y = torch.cat([hi, lo.unbind(2)[0].unsqueeze(2).expand_as(lo)], -1).reshape(b, s, E)
+        q = y.view(b, s, 2, E // 2).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).square().mean()
+
+
+def _writes_compare(load_balance: str) -> dict:
+    ref_model, cp_model = twin_models(lambda: _WritesAndChunkSplits().double())
+    x = torch.randn(2, 16, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,), load_balance=load_balance)
+    return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
+            "fallbacks": backend.fallbacks}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world,lb", [(2, "zigzag"), pytest.param(4, "contiguous", marks=pytest.mark.slow)])
+def test_writes_and_splits_of_chunks_are_exact_without_a_gather(ranks, world, lb) -> None:
+    for rank, r in enumerate(ranks.run(world, _writes_compare, lb, timeout=300)):
+        assert r["loss"] <= TOL and max(r["grads"].values()) <= TOL, (rank, r)
+        assert not r["fallbacks"], (rank, r)
