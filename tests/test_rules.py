@@ -240,7 +240,7 @@ _SAMPLES: dict = {  # rule key -> (args, kwargs); _p(name) is the placeholder of
     **{k: ((_p("x"), 2, -1), {}) for k in (("method", "chunk"), ("method", "split"), torch.chunk, torch.split,
                                            ("method", "repeat_interleave"))},
     **{k: ((_p("x"), 0), {}) for k in (("method", "unbind"), torch.unbind)},
-    **{k: (([_p("x"), _p("x")], -1), {}) for k in (torch.cat, torch.concat)},
+    **{k: (([_p("x"), _p("x")], -1), {}) for k in (torch.cat, torch.concat, torch.concatenate)},
     torch.stack: (([_p("x"), _p("x")], 0), {}),
     operator.getitem: ((_p("x"), (Ellipsis, slice(None, 2))), {}),
     ("method", "size"): ((_p("x"), 1), {}),

@@ -68,7 +68,7 @@ PERMUTES = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "t", torc
 VALUE_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "contiguous", "clone"}  # methods: same values
 SHAPE_VIEWS = RESHAPES | FLATTENS | SQUEEZES | {"contiguous", "expand", "expand_as"}  # keep the values' order
 SPLITS = {"chunk", "split", "unbind", "repeat_interleave", torch.chunk, torch.split, torch.unbind}
-JOINS = {torch.cat, torch.concat, torch.stack}
+JOINS = {torch.cat, torch.concat, torch.concatenate, torch.stack}
 CATS = {torch.cat, torch.concat, torch.concatenate}
 # data-dependent selections of rows (MoE routing), and the writes back by their indices
 SELECTIONS = {torch.nonzero, torch.argwhere, "nonzero", "argwhere"}

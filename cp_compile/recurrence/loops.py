@@ -60,7 +60,10 @@ class StepRead:
         return x[tuple(here if i == self.dim else e for i, e in enumerate(self.index))]
 
     def steps(self, x: Tensor) -> int:
-        size = x.shape[self.dim]
+        return self.steps_of(x.shape[self.dim])
+
+    def steps_of(self, size: int) -> int:
+        """The steps ``size`` entries along the read's dim feed."""
         if self.chunk is None:
             return size
         if size % self.chunk:
@@ -100,7 +103,7 @@ class LoopKernel:
         self.reads, self.outputs, self.others = tuple(reads), tuple(outputs), others
         self.where = where
         self.serial_reason: Optional[str] = None  # why the step is not elementwise affine (loop_kernel sets it)
-        self.tokens_per_entry = 1  # C when each step reads one entry of the sequence viewed in chunks of C
+        self.tokens_per_step = 1  # the tokens each step reads (C for a loop over chunks; fold_loops sets it)
         self.width: Optional[int] = None  # a matrix transition: the state's traced last dim V (loop_kernel sets it)
         self.__name__ = self.__qualname__ = f"loop_at_{_slug(where)}"
         self.__module__ = __name__
@@ -151,6 +154,15 @@ class LoopKernel:
                 block = self.hom(block, *[r.at(x, t) for r, x in zip(self.reads, xs)], *others)
             blocks.append(block[..., :w])
         return torch.cat(blocks, -1)  # (..., K, W)
+
+    def tokens(self, name: str, size: int) -> int:
+        """The tokens of the sequence that per-token argument ``name`` (``x<i>``) holds with ``size``
+        entries along its sequence dim: as many steps as it feeds, times the tokens per step."""
+        return self.reads[int(name[1:])].steps_of(size) * self.tokens_per_step
+
+    def entries(self, name: str, tokens: int) -> int:
+        """The entries along its sequence dim that argument ``name`` holds for ``tokens`` tokens."""
+        return tokens // self.tokens_per_step * (self.reads[int(name[1:])].chunk or 1)
 
     def pack(self, *states: Tensor) -> Tensor:
         """The one state of the contract: the state itself, or several flattened and concatenated."""

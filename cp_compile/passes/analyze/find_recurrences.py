@@ -42,11 +42,16 @@ def _name(node: fx.Node) -> str:
 def sequence_args(node: fx.Node) -> dict:
     """A recurrence node's per-token graph arguments: node -> its declared sequence dim (a scan's
     leaves: dim 0)."""
+    return dict(_named_sequence_args(node).values())
+
+
+def _named_sequence_args(node: fx.Node) -> dict:
+    """:func:`sequence_args` by parameter name (a scan's leaves: their positions)."""
     if is_scan(node):
-        return {x: 0 for x in node.args[1]}
+        return {str(i): (x, 0) for i, x in enumerate(node.args[1])}
     spec = recurrence_spec(node.target)
     a = arguments(node, spec.parameters())
-    return {a[name]: dim for name, dim in spec.seq_args.items() if isinstance(a.get(name), fx.Node)}
+    return {name: (a[name], dim) for name, dim in spec.seq_args.items() if isinstance(a.get(name), fx.Node)}
 
 
 def mixer_inputs(ctx: RewriteContext) -> Set[fx.Node]:
@@ -58,14 +63,17 @@ def mixer_inputs(ctx: RewriteContext) -> Set[fx.Node]:
 def _length(node: fx.Node) -> int:
     """The one sequence length of a recurrence node's per-token arguments."""
     lens = set()
-    for x, dim in sequence_args(node).items():
+    for name, (x, dim) in _named_sequence_args(node).items():
         shape = global_shape(x)
         seq = x.meta["example_value"].shape[dim]
         if isinstance(seq, torch.SymInt):
             raise CPRewriteError(
                 f"cp_compile: recurrent kernel {_name(node)} at {source_line(node)} runs on a "
                 "symbolic sequence length; state passing needs a fixed one. Fix: torch.compile(..., dynamic=False).")
-        lens.add(shape[dim] * getattr(node.target, "tokens_per_entry", 1))  # (a scan over chunks: their tokens)
+        if is_loop_kernel(node.target):  # (its reads: positions, chunks of tokens, or entries of chunks)
+            lens.add(node.target.tokens(name, shape[dim]))
+        else:  # (a scan over chunks: their tokens)
+            lens.add(shape[dim] * getattr(node.target, "tokens_per_entry", 1))
     if len(lens) != 1:
         raise CPRewriteError(
             f"cp_compile: recurrent kernel {_name(node)} at {source_line(node)} takes per-token "

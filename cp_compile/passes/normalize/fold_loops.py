@@ -46,14 +46,15 @@ def fold_recurrence_loops(gm: fx.GraphModule, ctx: RewriteContext) -> int:
     count = 0
     for loop in find_loops(gm):
         why = _unfoldable(loop)
-        unit = _tokens_per_entry(loop, ctx) if why is None else 1
-        why = why or _not_the_sequence(loop, ctx, unit)
+        tokens = _tokens_per_step(loop, ctx) if why is None else None
+        if why is None and tokens is None:
+            why = "its reads advance by different numbers of tokens per step"
+        why = why or _not_the_sequence(loop, ctx, tokens)
         where = source_line(loop.template[0])
         if why is not None:
             log.debug("cp_compile: the loop at %s is left as traced: %s", where, why)
             continue
-        kernel, outputs = _kernel(loop, where)
-        kernel.tokens_per_entry = unit
+        kernel, outputs = _kernel(loop, where, tokens)
         if not _reproduces(kernel, loop, outputs):
             log.debug("cp_compile: the loop at %s is left as traced (its kernel did not check)", where)
             continue
@@ -77,38 +78,81 @@ def _unfoldable(loop: Loop) -> Optional[str]:
     if len(inits) > 1 and (len({v.dtype for v in inits}) > 1
                            or not all(isinstance(s, int) for v in inits for s in v.shape)):
         return "its states differ in dtype or have symbolic shapes (several states are packed into one)"
+    for _, c in loop.collected:
+        if isinstance(c, Family) and _buffer_reads(loop, c) is None:
+            return (f"after the loop, {c.base.name} is read across the {_span(c)} entries the loop wrote along dim "
+                    f"{c.dim} (only those entries, or only the others, can be told apart)")
     return None
 
 
-def _not_the_sequence(loop: Loop, ctx: RewriteContext, unit: int) -> Optional[str]:
+def _span(fam: Family) -> int:
+    """How many entries of its buffer's dim a write family fills (from 0): all, or a prefix."""
+    return fam.steps * (fam.chunk or 1)
+
+
+def _buffer_reads(loop: Loop, fam: Family) -> Optional[Dict[fx.Node, bool]]:
+    """The buffer's uses after its last write -> whether each reads the loop's entries (``states[:, :T]``,
+    exactly them) rather than only the entries after them (``states[:, T]``, written after the loop:
+    xLSTM's last chunk state); None when one reads or writes across the two, or is no indexing."""
+    order = {n: i for i, n in enumerate(fam.base.graph.nodes)}
+    end = max(order[n] for ns in fam.nodes.values() for n in ns)
+    size, span, out = fake_value(fam.base).shape[fam.dim], _span(fam), {}
+    for u in fam.base.users:
+        if u in loop.claimed or order[u] < end:
+            continue
+        if span == size:
+            out[u] = True
+            continue
+        picked = _picked(u, fam.dim, size)
+        if picked is None or (picked != range(span) and (not picked or picked[0] < span)):
+            return None
+        out[u] = picked == range(span)
+    return out
+
+
+def _picked(node: fx.Node, dim: int, size: int) -> Optional[range]:
+    """The entries of dim ``dim`` a getitem/setitem ``x[:, ..., e, ...]`` of its first argument touches
+    (every entry before ``e`` a full slice), else None."""
+    if node.target not in (operator.getitem, operator.setitem) or len(node.args) < 2:
+        return None
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if len(index) <= dim or any(e != slice(None) for e in index[:dim]):
+        return None
+    e = index[dim]
+    if type(e) is int:
+        return range(e % size, e % size + 1) if -size <= e < size else None
+    if isinstance(e, slice) and all(v is None or type(v) is int for v in (e.start, e.stop, e.step)):
+        return range(size)[e]
+    return None
+
+
+def _not_the_sequence(loop: Loop, ctx: RewriteContext, tokens: int) -> Optional[str]:
     """Why a loop is not a recurrence over the attention's sequence (a loop over heads or layers, left to
     the rules node by node), or None. With no attention in the graph its length is the sequence's."""
     held = [n.name for n in ctx.attention if n in loop.claimed]
     if held:
         return f"its steps hold attention ({held[0]}), each split by its own rule"
-    length = _entries(loop) * unit  # (unit: the tokens per step's entry)
+    length = loop.steps * tokens
     if ctx.attention and length != ctx.seq_len:
         return f"it runs along a dim of {length}, not the attention's sequence of {ctx.seq_len}"
     return None
 
 
-def _entries(loop: Loop) -> int:
-    fam = _families(loop)[0]
-    return fake_value(fam.base).shape[fam.dim]
-
-
-def _tokens_per_entry(loop: Loop, ctx: RewriteContext) -> int:
-    """C when the loop steps through the sequence viewed in chunks of C (``q = x.view(B, S // C, C, D)``;
-    ``q[:, i]`` each step) and so covers the attention's sequence (with no attention: the view alone
-    says so); else 1."""
-    n = _entries(loop)
-    if ctx.attention and n == ctx.seq_len:
-        return 1
-    for fam in _families(loop):  # (the first whose chunk view is near enough)
-        c = tokens_per_entry(fam.base, n)
-        if c > 1 and (not ctx.attention or n * c == ctx.seq_len):
-            return c
-    return 1
+def _tokens_per_step(loop: Loop, ctx: RewriteContext) -> Optional[int]:
+    """How many tokens of the sequence each step reads, the same for every per-token tensor (None when
+    they differ): one position of a tensor along the sequence (1), a chunk of C of them (C), or one
+    entry of the sequence viewed in chunks of C (``q = x.view(B, S // C, C, D)``; ``q[:, i]``: C). A
+    step may read one of each kind (xLSTM reads the keys' chunk ``k[:, :, i*C:(i+1)*C]`` and the
+    chunk's gate total ``g[:, :, i]``). With no attention in the graph, the chunk views alone say so."""
+    found = set()
+    for fam in _families(loop):
+        n = fake_value(fam.base).shape[fam.dim]
+        entry = 1
+        if not (ctx.attention and n == ctx.seq_len):
+            c = tokens_per_entry(fam.base, n)
+            entry = c if c > 1 and (not ctx.attention or n * c == ctx.seq_len) else 1
+        found.add(entry * (fam.chunk or 1))
+    return found.pop() if len(found) == 1 else None
 
 
 def _shapes(loop: Loop) -> Optional[List[Tuple[int, ...]]]:
@@ -127,8 +171,9 @@ def _families(loop: Loop) -> List[Family]:
     return list(dict.fromkeys(loop.reads.values()))
 
 
-def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
-    """The loop's kernel (its step as an FX module, its contract attached) and its outputs."""
+def _kernel(loop: Loop, where: str, tokens: int) -> Tuple[LoopKernel, List[StepOutput]]:
+    """The loop's kernel (its step as an FX module, its contract attached; ``tokens`` per step) and its
+    outputs."""
     graph, env = fx.Graph(), {}
     for i, c in enumerate(loop.carried):
         env[c] = _placeholder(graph, f"state{i}" if len(loop.carried) > 1 else "state", loop.init[c])
@@ -151,6 +196,7 @@ def _kernel(loop: Loop, where: str) -> Tuple[LoopKernel, List[StepOutput]]:
     outputs = [_output(c) for _, c in loop.collected]
     kernel = loop_kernel(step, [StepRead(f.dim, f.index, f.chunk) for f in fams], outputs, len(loop.outers),
                          where, _shapes(loop))
+    kernel.tokens_per_step = tokens
     kernel.recurrence_spec = _spec(kernel, fams, loop, outputs)
     return kernel, outputs
 
@@ -179,7 +225,7 @@ def _spec(kernel: LoopKernel, fams: List[Family], loop: Loop, outputs: List[Step
     parallel = kernel.transition != "serial"
     return RecurrenceSpec(target=kernel, seq_args={f"x{i}": f.dim for i, f in enumerate(fams)}, outputs=dims,
                           initial_state="initial_state", final_state=len(outputs), transition=kernel.transition,
-                          homogeneous="homogeneous" if parallel else None, chunk=fams[0].chunk or 1)
+                          homogeneous="homogeneous" if parallel else None, chunk=kernel.tokens_per_step)
 
 
 def _kwargs(loop: Loop, initial_state: Any) -> Dict[str, Any]:
@@ -207,9 +253,13 @@ def _reproduces(kernel: LoopKernel, loop: Loop, outputs: List[StepOutput]) -> bo
     except Exception as e:  # noqa: BLE001  (any failure: a kernel we cannot run; the loop stays)
         log.debug("cp_compile: the folded loop failed on fake tensors: %s", e)
         return False
-    for value, node in zip(got, _replaced(loop)):
+    collectors = [c for _, c in loop.collected] + [None] * len(loop.carried)
+    for value, node, c in zip(got, _replaced(loop), collectors):
         want = fake_value(node) if node is not None else None
-        if want is not None and (tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype):
+        shape = None if want is None else list(want.shape)
+        if isinstance(c, Family):  # (the entries the loop wrote)
+            shape[c.dim] = _span(c)
+        if want is not None and (list(value.shape) != shape or value.dtype != want.dtype):
             return False
     return True
 
@@ -233,8 +283,11 @@ def _replace(gm: fx.GraphModule, loop: Loop, kernel: LoopKernel, outputs: List[S
     call.meta = dict(meta)
     items: List[Optional[fx.Node]] = []
     prev = call
-    for i, node in enumerate(_replaced(loop)[:len(loop.collected)]):
-        prev = _node_after(g, prev, operator.getitem, (call, i), meta, fake_value(node))
+    for i, (node, (_, c)) in enumerate(zip(_replaced(loop), loop.collected)):
+        value = fake_value(node)
+        if isinstance(c, Family) and _span(c) < value.shape[c.dim]:  # the entries the loop wrote
+            value = value.narrow(c.dim, 0, _span(c))
+        prev = _node_after(g, prev, operator.getitem, (call, i), meta, value)
         items.append(prev)
     finals = [fake_value(loop.roles[c]) if loop.finals.get(c) is None else fake_value(loop.finals[c])
               for c in loop.carried]
@@ -288,10 +341,13 @@ def _reroute(g: fx.Graph, loop: Loop, items: List[Optional[fx.Node]], order: Dic
     collected values, then each carried value's last state)."""
     claimed = loop.claimed
     for (_, c), item in zip(loop.collected, items):
-        if isinstance(c, Family):  # the buffer, read after its last write
-            end = max(order[n] for ns in c.nodes.values() for n in ns)
-            later = {u for u in c.base.users if u not in claimed and order.get(u, 1 << 60) > end}
-            c.base.replace_all_uses_with(item, delete_user_cb=later.__contains__)
+        if isinstance(c, Family):  # the buffer, read after its last write: the loop's entries from the item
+            for u, written in _buffer_reads(loop, c).items():
+                if written and _span(c) < fake_value(c.base).shape[c.dim]:  # states[:, :T] -> item[:, :]
+                    index = tuple(slice(None) if d == c.dim else e for d, e in enumerate(u.args[1]))
+                    u.args = (item, index, *u.args[2:])
+                elif written:
+                    u.replace_input_with(c.base, item)
         else:
             c.replace_all_uses_with(item)
     for c, item in zip(loop.carried, items[len(loop.collected):]):

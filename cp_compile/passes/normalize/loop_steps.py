@@ -124,8 +124,9 @@ def _families(gm: fx.GraphModule) -> List[Family]:
     complete = []
     for fam in found.values():
         size, steps = fake_value(fam.base).shape[fam.dim], len(fam.nodes)
+        span = steps * (fam.chunk or 1)  # reads cover the whole dim; writes may fill its first entries only
         if isinstance(size, int) and steps >= 3 and set(fam.nodes) == set(range(steps)) \
-                and steps * (fam.chunk or 1) == size:
+                and (span == size or (fam.write and span < size)):
             complete.append(fam)
     return complete
 
@@ -149,12 +150,15 @@ def _groups(families: List[Family], order: Dict[fx.Node, int]) -> List[List[Fami
     return groups
 
 
-def _steps(gm: fx.GraphModule, reads: Dict[fx.Node, Tuple[Family, int]]) -> Dict[fx.Node, int]:
-    """The step of every node that depends on a read: the latest position among its inputs."""
+def _steps(gm: fx.GraphModule, reads: Dict[fx.Node, Tuple[Family, int]],
+           writes: Dict[fx.Node, Tuple[Family, int]]) -> Dict[fx.Node, int]:
+    """The step of every node that depends on a read: the latest position among its inputs. A write
+    belongs to the step of its position: ``states[:, t] = h`` before step t updates ``h`` stores the
+    state entering step t (xLSTM's chunk states), which step t - 1 computed."""
     step: Dict[fx.Node, int] = {}
     for n in gm.graph.nodes:
-        if n in reads:
-            step[n] = reads[n][1]
+        if n in reads or n in writes:
+            step[n] = (reads.get(n) or writes[n])[1]
             continue
         got = [step[a] for a in n.all_input_nodes if a in step]
         if got:
@@ -166,9 +170,9 @@ def _loop(gm: fx.GraphModule, group: List[Family]) -> Optional[Loop]:
     """The loop of one group of families, or None when its steps are not copies of one step."""
     reads = {n: (f, t) for f in group if not f.write for t, ns in f.nodes.items() for n in ns}
     writes = {n: (f, t) for f in group if f.write for t, ns in f.nodes.items() for n in ns}
-    if not reads or len({f.chunk for f in group}) > 1:  # one step reads one position, or one chunk, of each
-        return None
-    step = _steps(gm, reads)
+    if not reads:  # (a step may read one position of some tensors and one chunk of others: fold_loops
+        return None  # checks that each advances by as many tokens)
+    step = _steps(gm, reads, writes)
     template = [n for n in gm.graph.nodes if step.get(n) == 1 and n not in reads and n.op != "output"
                 and all(step.get(a, 0) in (0, 1) for a in n.all_input_nodes)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -245,7 +249,10 @@ class _Unifier:
         return False
 
     def _candidates(self, tn: fx.Node, t: int) -> List[fx.Node]:
-        """Step ``t``'s nodes that could be the copy of ``tn``: users of its inputs' copies."""
+        """Step ``t``'s nodes that could be the copy of ``tn``: users of its inputs' copies (a write: its
+        family's writes at ``t``, which step 0 may make from the initial state alone)."""
+        if tn in self.writes:
+            return [n for n in self.writes[tn][0].nodes.get(t, []) if n not in self.claimed[t]]
         seen: List[fx.Node] = []
         for a in tn.all_input_nodes:
             if a in self.reads:
@@ -304,6 +311,8 @@ class _Unifier:
     def _loop(self, carried: List[fx.Node]) -> Optional[Loop]:
         """The Loop, once every use of a step's values outside the steps is a collector or a final state."""
         claimed = set().union(*self.claimed) | set(self.reads)
+        if any(w not in claimed for w in self.writes):
+            return None  # a write no step's copy of the template makes
         last = self.T - 1
         finals = {c: self.inst[last][r] for c, r in self.roles.items() if r in self.inst[last]}
         collected = self._collected(claimed)

@@ -110,7 +110,7 @@ def view_placement(in_shape: Sequence[int], out_shape: Sequence[int], src: Shard
         after = 1
         for k in reversed(out_dims):
             if inner_total % after == 0 and (out_shape[k] * after) % span_needed == 0:
-                return _in_tokens(Sharded(k, inner_total // after, chunk=src.chunk))
+                return in_tokens(Sharded(k, inner_total // after, chunk=src.chunk))
             if after > inner_total and after % inner_total == 0 and out_shape[k] * (after // inner_total) == units:
                 return Sharded(k, 1, chunk=src.chunk * (after // inner_total))  # (n, C, ...) with the entries split
             after *= out_shape[k]
@@ -118,7 +118,7 @@ def view_placement(in_shape: Sequence[int], out_shape: Sequence[int], src: Shard
     raise AssertionError(f"sequence dim {src.dim} not in view groups of {tuple(in_shape)} -> {tuple(out_shape)}")
 
 
-def _in_tokens(s: Sharded) -> Sharded:
+def in_tokens(s: Sharded) -> Sharded:
     """Chunks merged with the C entries that follow each (index u·inner + r, inner = C·i'): tokens again."""
     if s.chunk > 1 and s.inner % s.chunk == 0:
         return Sharded(s.dim, s.inner // s.chunk)

@@ -48,7 +48,7 @@ from ..emitter import Emitter
 from ..oracle import decide
 from ..placements import GLOBAL, Sharded
 from .common import _name, _sharded
-from .registry import register_rule
+from .registry import chunk_aware, register_rule
 
 ARGEXT = (torch.argmax, torch.argmin, "argmax", "argmin")
 EXTREMA = (torch.max, torch.min, "max", "min")
@@ -70,6 +70,8 @@ def _seq_dim(em: Emitter, node: fx.Node, dim: Any) -> Tuple[Optional[Sharded], O
     d = dim % len(shape)
     if d != s.dim:
         return s, d, ""
+    if s.chunk > 1:
+        return s, d, "over the sequence viewed in chunks"
     if s.inner != 1 or shape[d] != em.ctx.seq_len:
         return s, d, "over a dim that merges the sequence with other dims (flattened tokens)"
     if em.index.runtime:
@@ -80,10 +82,10 @@ def _seq_dim(em: Emitter, node: fx.Node, dim: Any) -> Tuple[Optional[Sharded], O
 
 
 def _per_token(em: Emitter, node: fx.Node, s: Sharded, d: int, keeps_dim: bool):
-    """The op along a dim other than the sequence: run on this rank's tokens, Sharded."""
+    """The op along a dim other than the sequence: run on this rank's tokens (or chunks), Sharded."""
     shift = 0 if keeps_dim or d > s.dim else 1
     new = em.copy(node, *em.value((node.args, node.kwargs)))
-    lay = Sharded(s.dim - shift, s.inner)
+    lay = Sharded(s.dim - shift, s.inner, chunk=s.chunk)
     return new, (lay if _name(node) in ("argmax", "argmin") else (lay, lay))
 
 
@@ -133,6 +135,7 @@ def _first_extremum(em: Emitter, x: fx.Node, s: Sharded, largest: bool, keep: bo
     return val, idx
 
 
+@chunk_aware
 @register_rule(*ARGEXT)
 def argext(em: Emitter, node: fx.Node):
     """``argmax`` / ``argmin`` along the sequence: the first extremum's global position, Global (int64)."""
@@ -155,6 +158,7 @@ def _along_sequence(em: Emitter, node: fx.Node, a: dict) -> Tuple[Optional[Shard
     return s, None
 
 
+@chunk_aware  # (along another dim than the chunks': per chunk; along them: gathered)
 @register_rule(*EXTREMA)
 def extremum(em: Emitter, node: fx.Node):
     """``max`` / ``min`` with a dim along the sequence: (values, global positions), Global. The
@@ -172,6 +176,7 @@ def extremum(em: Emitter, node: fx.Node):
     return (val, idx), (GLOBAL, GLOBAL)
 
 
+@chunk_aware
 @register_rule(torch.topk, "topk")
 def topk(em: Emitter, node: fx.Node):
     """``topk`` along the sequence: every rank's best min(k, c), stacked, then topk of those: Global."""
@@ -188,6 +193,7 @@ def topk(em: Emitter, node: fx.Node):
     return (em.method("gather", cand_v, d, sel), em.method("gather", cand_i, d, sel)), (GLOBAL, GLOBAL)
 
 
+@chunk_aware
 @register_rule(*KTH)
 def kth(em: Emitter, node: fx.Node):
     """``kthvalue(k, dim)`` / ``median(dim)`` (the lower median: k = (S + 1) // 2) along the sequence:

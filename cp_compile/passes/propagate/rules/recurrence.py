@@ -43,7 +43,7 @@ from ...context import global_shape, log, source_line
 from ...fx_utils import fake_value
 from ...op_vocab import arguments
 from ..emitter import Emitter
-from ..placements import GLOBAL, Sharded
+from ..placements import GLOBAL, Sharded, in_tokens
 from .common import _ndim, _no_runs, _norm
 
 
@@ -56,8 +56,8 @@ def recurrence(em: Emitter, node: fx.Node):
         return em.fallback(node, f"recurrent kernel {spec.name}: {why}")
     state, dtype = _state_meta(spec, node, a)
     table, length = em.index.chunks()
-    unit = _unit(em, spec, a)  # tokens per entry of the sequence dims (> 1: a scan over chunks)
-    runs = [_run_args(em, spec, a, j, length // unit, unit) for j in range(table.shape[1])]
+    units = _units(em, spec, a)  # tokens per entry of each argument's sequence dim (> 1: chunks of tokens)
+    runs = [_run_args(em, spec, a, j, length, units) for j in range(table.shape[1])]
     order = sorted(((int(table[r, j]), r, j) for r in range(table.shape[0]) for j in range(table.shape[1])))
     order = [(r, j) for _, r, j in order]
     h0 = _initial_state(em, spec, a, runs[0], state, dtype)
@@ -69,7 +69,7 @@ def recurrence(em: Emitter, node: fx.Node):
     # collectives and those collectives' backward run on every rank, read or not (no rank skips one)
     outs[-1] = em.call(_tied, outs[-1], min(spec.outputs), final)
     _record(em, node, spec, state, dtype, table.shape[1])
-    return _result(em, node, spec, outs, final, unit)
+    return _result(em, node, spec, outs, final, _unit(em, spec, a))
 
 
 def _chunks(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> set:
@@ -83,6 +83,16 @@ def _unit(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> int:
     return chunks.pop() if len(chunks) == 1 else 1
 
 
+def _units(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> Dict[str, int]:
+    """Tokens per entry along each per-token argument's sequence dim. A registered kernel reads them all
+    alike (:func:`_unit`); a folded loop's step may read one position of the keys and one entry of a
+    chunk total (xLSTM), so each argument holds the sequence by its own unit."""
+    if not is_loop_kernel(spec.target):
+        return {name: _unit(em, spec, a) for name in spec.seq_args}
+    return {name: em.ctx.seq_len // global_shape(x)[_norm(spec.seq_args[name], _ndim(x))]
+            for name in spec.seq_args if isinstance(x := a.get(name), fx.Node)}
+
+
 def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
     """Why the kernel cannot be state-passed here, or None."""
     why = _outside_contract(spec, a) or _no_runs(em) or _mixed_units(em, spec, a) or _misplaced_argument(em, spec, a)
@@ -94,7 +104,7 @@ def _refusal(em: Emitter, node: fx.Node, spec: RecurrenceSpec, a: Dict[str, Any]
                 f"that is a multiple of {em.ctx.world * em.index.chunks()[0].shape[1]}, or declare transition= "
                 "and pad_values=)")
     table, run = em.index.chunks()
-    if (run // _unit(em, spec, a)) % spec.chunk:
+    if (run if is_loop_kernel(spec.target) else run // _unit(em, spec, a)) % spec.chunk:  # (a loop's: tokens)
         return (f"its steps read chunks of {spec.chunk} tokens and each rank's runs hold {run}, not a multiple, so "
                 f"the runs would cut the model's chunks (fix: a sequence length that is a multiple of "
                 f"{table.numel() * spec.chunk}, or a smaller chunk size)")
@@ -118,11 +128,13 @@ def _misplaced_argument(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) ->
             continue
         shape = global_shape(x)
         d = _norm(dim, len(shape))
-        entries = em.ctx.seq_len // _unit(em, spec, a)
+        entries = spec.target.entries(name, em.ctx.seq_len) if is_loop_kernel(spec.target) else \
+            em.ctx.seq_len // _unit(em, spec, a)
         if shape[d] != entries:
             return f"argument {name!r} has {shape[d]} along its sequence dim {dim}, not the sequence's {entries}"
         lay = em.layout(x)
-        if isinstance(lay, Sharded) and (lay.dim != d or lay.inner != 1 or lay.window is not None):
+        if isinstance(lay, Sharded) and (lay.dim != d or lay.inner != 1 or lay.window is not None
+                                         or lay.chunk * entries != em.ctx.seq_len):
             return (f"argument {name!r} is split along dim {lay.dim} (inner {lay.inner}), the kernel's sequence dim "
                     f"is {d} (fix: declare seq_args={{{name!r}: {lay.dim}}} if that is its sequence dim)")
     return None
@@ -131,7 +143,7 @@ def _misplaced_argument(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) ->
 def _mixed_units(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> Optional[str]:
     """Why the per-token arguments hold the sequence in different units (tokens, chunks of C), or None."""
     chunks = _chunks(em, spec, a)
-    if len(chunks) > 1:
+    if len(chunks) > 1 and not is_loop_kernel(spec.target):  # (a loop's reads: _misplaced_argument)
         return f"its per-token arguments hold the sequence in different chunks of tokens {sorted(chunks)}"
     return None
 
@@ -209,14 +221,15 @@ def _local(em: Emitter, spec: RecurrenceSpec, name: str, x: fx.Node, unit: int =
 
 
 def _run_args(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any], j: int, length: int,
-              unit: int = 1) -> Dict[str, Any]:
-    """The kernel's arguments for this rank's run ``j`` (entries [j·L, (j+1)·L) of its shard), by name."""
+              units: Dict[str, int]) -> Dict[str, Any]:
+    """The kernel's arguments for this rank's run ``j`` of ``length`` tokens (entries [j·L, (j+1)·L) of
+    each shard, L = length / the argument's tokens per entry), by name."""
     kw = dict(em.value(a))
     for name in spec.seq_args:
         x = a.get(name)
         if isinstance(x, fx.Node):
-            d = _norm(spec.seq_args[name], _ndim(x))
-            kw[name] = em.method("narrow", _local(em, spec, name, x, unit), d, j * length, length)
+            d, entries = _norm(spec.seq_args[name], _ndim(x)), length // units[name]
+            kw[name] = em.method("narrow", _local(em, spec, name, x, units[name]), d, j * entries, entries)
     if spec.final_state_flag:
         kw[spec.final_state_flag] = True
     return kw
@@ -316,14 +329,14 @@ def _result(em: Emitter, node: fx.Node, spec: RecurrenceSpec, outs: List[fx.Node
     if not isinstance(result, (tuple, list)):
         d = _norm(spec.outputs[0], result.dim())
         pieces = [em.call(operator.getitem, o, 0) for o in outs]
-        return em.call(torch.cat, pieces, d), Sharded(d, chunk=unit)
+        return em.call(torch.cat, pieces, d), _out_layout(em, spec, result, d, unit)
     values: List[Any] = []
     layouts: List[Any] = []
     for i, v in enumerate(result):
         if i in spec.outputs and isinstance(v, torch.Tensor):
             d = _norm(spec.outputs[i], v.dim())
             values.append(em.call(torch.cat, [em.call(operator.getitem, o, i) for o in outs], d))
-            layouts.append(Sharded(d, chunk=unit))
+            layouts.append(_out_layout(em, spec, v, d, unit))
         elif i == spec.final_state and isinstance(v, torch.Tensor):
             values.append(final)
             layouts.append(GLOBAL)
@@ -331,6 +344,17 @@ def _result(em: Emitter, node: fx.Node, spec: RecurrenceSpec, outs: List[fx.Node
             values.append(None)
             layouts.append(None)
     return tuple(values), tuple(layouts)
+
+
+def _out_layout(em: Emitter, spec: RecurrenceSpec, v: torch.Tensor, d: int, unit: int) -> Sharded:
+    """An output's layout along its sequence dim ``d`` (``v``: its global value). A registered kernel's
+    entries are its arguments' (``unit`` tokens each). A folded loop's steps each add r rows there for
+    its C tokens per step: ``Sharded(d, inner=r, chunk=C)`` in canonical form (r = 1 with C = 1: tokens;
+    r = 1: chunks of C; r = C: tokens again; xLSTM's per-chunk states, K rows a chunk: inner K)."""
+    rows, seq, per_step = v.shape[d], em.ctx.seq_len, spec.chunk
+    if not is_loop_kernel(spec.target) or (rows * per_step) % seq:
+        return Sharded(d, chunk=unit)
+    return in_tokens(Sharded(d, rows * per_step // seq, chunk=per_step))
 
 
 def _record(em: Emitter, node: fx.Node, spec: RecurrenceSpec, state: Tuple[int, ...], dtype: torch.dtype,

@@ -46,7 +46,7 @@ from ..emitter import Emitter, mutates
 from ..placements import GLOBAL, Local, Sharded
 from .common import _flat_args, _key, _sharded
 from .pointwise import pointwise
-from .registry import register_rule
+from .registry import chunk_aware, register_rule
 from .routing_rows import refuse, rowwise, rows_rule
 
 _SELECT, _INDEX_ADD, _INDEX_PUT, _SCATTER = (rule_keys(s) for s in (SELECTIONS, INDEX_ADDS, INDEX_PUTS, SCATTERS))
@@ -71,9 +71,13 @@ def select(em: Emitter, node: fx.Node):
     return new, Local(0, None, node.name)  # (n, ndim): columns are not followed as token indices
 
 
+@chunk_aware
 @register_rule(torch.where)
 def where(em: Emitter, node: fx.Node):
-    """``torch.where``: the selection form with one argument, else the pointwise rule."""
+    """``torch.where``: the selection form with one argument (not of chunks: gathered), else the
+    pointwise rule."""
+    if is_selection(node) and any(s.chunk > 1 for a in node.all_input_nodes if (s := _sharded(em, a))):
+        return em.fallback(node, "a selection of rows from the sequence viewed in chunks")
     return select(em, node) if is_selection(node) else pointwise(em, node)
 
 
