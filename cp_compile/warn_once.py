@@ -12,9 +12,10 @@ and in each rank worker before each task: a verdict never depends on which test 
 from __future__ import annotations
 
 import logging
-from typing import Any, Hashable, Set, Tuple
+from typing import Any, Callable, Hashable, List, Set, Tuple
 
 _GIVEN: Set[Tuple[str, Hashable]] = set()
+_ALSO: List[Callable[[], None]] = []  # other per-process memories that decide a WARNING (kernel self-checks)
 
 
 def warn_once(log: logging.Logger, kind: str, key: Hashable, msg: str, *args: Any) -> bool:
@@ -29,8 +30,16 @@ def warn_once(log: logging.Logger, kind: str, key: Hashable, msg: str, *args: An
 
 
 def reset_warnings() -> None:
-    """Forget every warning given so far in this process: each is given again when next met."""
+    """Forget every warning given so far in this process, and the kernel self-check verdicts behind
+    some of them (:mod:`cp_compile.kernels.self_check`): each is given again when next met."""
     _GIVEN.clear()
+    for forget in _ALSO:
+        forget()
 
 
-__all__ = ["reset_warnings", "warn_once"]
+def forget_with_warnings(forget: Callable[[], None]) -> None:
+    """Have :func:`reset_warnings` also call ``forget`` (a memory whose verdict gives a WARNING)."""
+    _ALSO.append(forget)
+
+
+__all__ = ["forget_with_warnings", "reset_warnings", "warn_once"]

@@ -18,6 +18,8 @@ import torch
 from .aten import AtenKernel
 from .base import BlockKernel, StepKernel
 from .reference import ReferenceKernel
+from .self_check import forget_self_checks
+from ..warn_once import forget_with_warnings
 
 __all__ = ["BlockKernel", "StepKernel", "get_kernel", "register_kernel", "kernel_names"]
 
@@ -66,11 +68,15 @@ def kernel_names() -> List[str]:
     return names
 
 
-def resolve_kernel_name(name: str, device: torch.device) -> str:
-    """``"auto"`` -> the default kernel for ``device``; other names unchanged."""
-    if name != "auto":
-        return name
+def auto_kernel_name(device: torch.device) -> str:
+    """What ``"auto"`` picks on ``device``: the Triton kernels on CUDA when Triton is installed
+    (checked on first use per case: :mod:`.self_check`), else aten."""
     return TRITON if device.type == "cuda" and triton_available() else "aten"
+
+
+def resolve_kernel_name(name: str, device: torch.device) -> str:
+    """``"auto"`` -> the default kernel for ``device`` (:func:`auto_kernel_name`); other names unchanged."""
+    return auto_kernel_name(device) if name == "auto" else name
 
 
 def get_kernel(name: str, device: torch.device, dtype: torch.dtype) -> BlockKernel:
@@ -96,3 +102,4 @@ def get_kernel(name: str, device: torch.device, dtype: torch.dtype) -> BlockKern
 
 register_kernel(AtenKernel())
 register_kernel(ReferenceKernel())
+forget_with_warnings(forget_self_checks)

@@ -32,9 +32,9 @@ per step on the whole visiting block (see :mod:`cp_compile.ring.fused`):
 
 * ``new_state(q) -> state``; ``forward_step(q, k, v, state, q_pos, k_pos, causal=,
   scale=, kv_limit=)`` folds the block into ``state`` in place; ``finalize(state,
-  dtype) -> (out, lse)``. Key j is visible to query i iff ``k_pos[j] < kv_limit``
-  and, when causal, ``k_pos[j] <= q_pos[i]``, and, with ``window=`` W > 0,
-  ``q_pos[i] - k_pos[j] < W`` (positions int32, any order). A kernel with
+  dtype) -> (out, lse)``. Key j is visible to query i iff ``k_pos[j] < kv_limit``,
+  ``q_pos[i] - k_pos[j] < window`` and, when causal, ``k_pos[j] <= q_pos[i]`` (positions
+  int32, any order); the ring passes 2**31 - 1 for "no padding" and "no window". A kernel with
   ``supports_doc_ids = True`` also takes ``q_doc=`` (B|1, S_q) and ``k_doc=`` (B|1, S_k)
   int32 document ids, both or neither: key j is then visible only if also
   ``q_doc[b, i] == k_doc[b, j]``. The ring refuses ``mask_mod`` / ``score_mod`` on step
@@ -105,10 +105,10 @@ class StepKernel(BlockKernel, Protocol):
         ...
 
     def forward_step(self, q: Tensor, k: Tensor, v: Tensor, state: Tuple[Tensor, ...], q_pos: Tensor,
-                     k_pos: Tensor, *, causal: bool, scale: float, kv_limit: int, window: int = -1,
+                     k_pos: Tensor, *, causal: bool, scale: float, kv_limit: int, window: int = 2**31 - 1,
                      q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> None:
-        """Fold ``q`` attending to ``k``/``v`` (masked by position) into ``state`` in place;
-        ``window`` W > 0: query i also sees only keys with ``q_pos[i] - k_pos[j] < W``."""
+        """Fold ``q`` attending to ``k``/``v`` (masked by position) into ``state`` in place; query i
+        sees only keys with ``q_pos[i] - k_pos[j] < window`` (2**31 - 1: no window)."""
         ...
 
     def finalize(self, state: Tuple[Tensor, ...], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
@@ -121,7 +121,7 @@ class StepKernel(BlockKernel, Protocol):
 
     def backward_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                       grads: Tuple[Tensor, Tensor, Tensor], q_pos: Tensor, k_pos: Tensor, *,
-                      causal: bool, scale: float, kv_limit: int, window: int = -1,
+                      causal: bool, scale: float, kv_limit: int, window: int = 2**31 - 1,
                       q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> None:
         """Add this block's (dq, dk, dv) into the fp32 accumulators ``grads`` in place (mask as in
         :meth:`forward_step`)."""

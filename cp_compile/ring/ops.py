@@ -28,6 +28,7 @@ import torch
 
 from ..group import group_by_name
 from ..kernels import get_kernel
+from ..kernels.self_check import checked_kernel
 from ..sequence import check_table
 from . import autocast
 from .agree import check_device, check_same_call, metadata
@@ -53,12 +54,16 @@ def _table(positions: Optional[Tensor], world_size: int, c: int) -> Optional[Ten
     return None if positions is None else check_table(positions, world_size, world_size * c)
 
 
-def _run_options(group_name: str, kernel: str, q: Tensor, timeout: float, phase: str) -> dict:
-    """The group (with its wait limit and phase, see :class:`.faults.RingGroup`) and the kernel."""
+def _run_options(group_name: str, kernel: str, q: Tensor, timeout: float, phase: str,
+                 form: Tuple[bool, int, bool]) -> dict:
+    """The group (with its wait limit and phase, see :class:`.faults.RingGroup`) and the kernel, checked
+    on first use for this call's ``form`` (causal, window, documents) where it checks itself
+    (:mod:`cp_compile.kernels.self_check`: a failed "auto" choice falls back, warned)."""
     g = group_by_name(group_name)
     group = RingGroup(g.pg, g.rank, g.size, timeout=timeout if timeout > 0 else None, phase=phase)
     check_device(group, q.device)
-    return {"group": group, "kernel": get_kernel(kernel, q.device, q.dtype)}
+    chosen = checked_kernel(kernel, get_kernel(kernel, q.device, q.dtype), q, *form, group)
+    return {"group": group, "kernel": chosen}
 
 
 # Explicit schemas: ``Optional[List[Tensor]]`` (``Tensor[]?``) is not inferred from annotations.
@@ -91,7 +96,7 @@ def ring_attention_fwd(
     ``positions``: an (N, c) int64 table, row r = rank r's sorted global positions (the same whole
     tensor on every rank), in place of ``load_balance`` (:func:`cp_compile.sequence.check_table`)."""
     check_one_dtype(q, k, v)
-    opts = _run_options(group_name, kernel, q, timeout, "forward")
+    opts = _run_options(group_name, kernel, q, timeout, "forward", (causal, window, doc_ids is not None))
     q, k, v = _dense(q), _dense(k), _dense(v)
     meta = metadata(q, k, v, causal, scale, load_balance, rotate, opts["kernel"].name, valid_len, window,
                     attn_mask, doc_ids=doc_ids, mods=mods, mask_buffers=mask_buffers, score_buffers=score_buffers,
@@ -142,7 +147,7 @@ def ring_attention_bwd(
 ) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
     """Gradients of the local shards: (dq, dk, dv), dK/dV summed over every rank's queries, and the
     gradients of the score buffers flagged in ``score_grads`` (this rank's shares, in the buffers' order)."""
-    opts = _run_options(group_name, kernel, q, timeout, "backward")
+    opts = _run_options(group_name, kernel, q, timeout, "backward", (causal, window, doc_ids is not None))
     dout, q, k, v, out = (_dense(t) for t in (dout, q, k, v, out))
     spec = _spec(window, attn_mask, doc_ids, mods, mask_buffers, score_buffers,
                  _learned(mods, score_buffers, score_grads))

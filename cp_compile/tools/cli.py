@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
+from .doctor import add_doctor_parser, cmd_doctor
 from .graph_commands import add_dump_parser, add_explain_parser, cmd_dump, cmd_explain
 from .plan_strategies import CHOICES, degree_error, missing_strategies, strategy_costs, strategy_lines
 from ..hardware import HARDWARE, HW_FORM, Hardware
@@ -314,10 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "that divides N and is < N, else N's largest proper divisor)")
     add_dump_parser(sub)
     add_explain_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 
-COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"plan": cmd_plan, "dump": cmd_dump, "explain": cmd_explain}
+COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"plan": cmd_plan, "dump": cmd_dump, "explain": cmd_explain,
+                                                            "doctor": cmd_doctor}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -49,6 +49,7 @@ class TritonKernel:
     supports_masks = False  # positions (causal, window, kv_limit) only; explicit masks: kernel='reference'
     supports_doc_ids = True  # forward_step / backward_step take q_doc= / k_doc= (packed documents)
     supports_mods = True  # mask_mod / score_mod translated to Triton (.mods); untranslatable ones are refused
+    self_check_devices = ("cuda",)  # never run on a GPU by CI: checked on first use per case (kernels/self_check.py)
 
     def __init__(self, tiles: Optional[Tiles] = None) -> None:
         self.tiles = tiles
