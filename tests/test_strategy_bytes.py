@@ -4,8 +4,9 @@ kind by kind: "ring K/V" = ``ring_kv_bytes``, "ring dK/dV" = ``ring_acc_bytes``,
 ``a2a_bytes``, per attention layer, on every rank.
 
 The expected counts come from the cost model called with the model's shape (the model under test
-against the measurement); one case is also written out by hand from the formula in the cost model's
-docstring, so that a formula and a runtime wrong the same way cannot agree. The step is exact too
+against the measurement); every case is also written out by hand from first principles (the hops and
+slots each tensor makes: test_hand_derived_*), so that a formula and a runtime wrong the same way
+cannot agree. The step is exact too
 (loss and every parameter gradient against the one-process run), so the bytes counted are those of
 a run that computes the right thing.
 """
@@ -65,7 +66,9 @@ def _expected(world: int, strategy: str, u) -> dict:
 
 # Written out by hand from the formula (test_hand_derived_2d_bytes' docstring): bytes per training step
 # per rank over the 2 layers, N = 4, 2d u = 2 x r = 2, S = 30 padded to 32.
-HAND = {(4, "2d", 2): {"all_to_all": 2 * 10240, "ring K/V": 2 * 4096, "ring dK/dV": 2 * 4096}}
+HAND = {(4, "2d", 2): {"all_to_all": 2 * 10240, "ring K/V": 2 * 4096, "ring dK/dV": 2 * 4096},
+        (4, "ring", None): {"ring K/V": 2 * 12288, "ring dK/dV": 2 * 8192},  # test_hand_derived_ring_and_ulysses_bytes
+        (4, "ulysses", None): {"all_to_all": 2 * 18432}}
 CASES = [(4, "ring", None), (4, "ulysses", None), (4, "2d", 2)]  # N = 4: K/V heads (2) fewer than u = 4 too
 
 
@@ -97,3 +100,23 @@ def test_hand_derived_2d_bytes() -> None:
     cost = strategy_cost(AttentionShape(B, 8, 2, 8, 32, 4, True), 4, "2d", 2)
     assert (cost.a2a_bytes, cost.ring_kv_bytes, cost.ring_acc_bytes) == (10240, 4096, 4096)
     assert _expected(4, "2d", 2) == HAND[(4, "2d", 2)]
+
+
+def test_hand_derived_ring_and_ulysses_bytes() -> None:
+    """Ring and Ulysses on N = 4 at S = 30 -> 32, per attention per rank, from first principles:
+    c = 32/4 = 8 tokens, B = 2, H = 8 over H_kv = 2, D = 8, e = 4 bytes (fp32).
+    ring: a K/V block is K and V of the H_kv heads over c tokens, 2·B·H_kv·c·D·e = 2·2·2·8·8·4 = 2048;
+    it makes N - 1 = 3 hops forward and 3 again backward -> 12288; the fp32 dK/dV accumulator of a
+    block (2048 at e = 4) makes N = 4 hops, back to its owner -> 8192.
+    Ulysses (u = N = 4): 2 query heads per rank, whose K/V head is one (heads 2r, 2r+1 read K/V head
+    r // 2): m = 1. Eight all-to-alls (q, k, v, out forward; dout, dq, dk, dv backward), each sending
+    each of the 3 other ranks its slots for this rank's c tokens: q/out/dout/dq 2·B·c·D·e = 1024 per
+    peer -> 3072, k/v/dk/dv m·B·c·D·e = 512 per peer -> 1536; 4·3072 + 4·1536 = 18432."""
+    from cp_compile.ulysses.cost import AttentionShape, strategy_cost
+
+    shape = AttentionShape(B, 8, 2, 8, 32, 4, True)
+    ring, ulysses = strategy_cost(shape, 4, "ring"), strategy_cost(shape, 4, "ulysses")
+    assert (ring.a2a_bytes, ring.ring_kv_bytes, ring.ring_acc_bytes) == (0, 12288, 8192)
+    assert (ulysses.a2a_bytes, ulysses.ring_kv_bytes, ulysses.ring_acc_bytes) == (18432, 0, 0)
+    assert _expected(4, "ring", None) == HAND[(4, "ring", None)]
+    assert _expected(4, "ulysses", None) == HAND[(4, "ulysses", None)]
