@@ -270,7 +270,7 @@ ROOT_CAUSES = (  # what the "compile fails without ring_cp" rows come from, foun
     "workers hide `fla`.")
 
 
-def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
+def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespace, wall: float, rev: str) -> None:
     """``docs/hf_sweep.md``: what is swept and how, the counts, then one row per architecture."""
     import torch
     import transformers
@@ -309,7 +309,7 @@ def write_docs(path: str, records: List[Dict[str, Any]], args: argparse.Namespac
         "in one process fails too (PyTorch's or transformers' limit, not ring_cp's; the message is that error, "
         "then the CP run's if it differs); **not built**: the tiny config or the model cannot be made; "
         "**reference failed**: the one-process eager step itself fails.", "",
-        f"Command: `{common.command()}`; cp_compile at {revision()}, transformers {transformers.__version__}, "
+        f"Command: `{common.command()}`; cp_compile at {rev}, transformers {transformers.__version__}, "
         f"torch {torch.__version__}, {datetime.date.today().isoformat()}, wall time {wall / 60:.0f} min"
         + (" (this invocation; resumed from earlier results)" if args.resume else "") + ".", "",
         "| outcome | architectures |", "|---|---|",
@@ -359,15 +359,17 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    started = time.perf_counter()
+    started, rev = time.perf_counter(), revision()  # (the workers import the checkout as it is when each starts)
     records = drive(args)
     wall = time.perf_counter() - started
+    if revision() != rev:
+        rev += f" (the checkout moved to {revision()} during the run)"
     import transformers
 
-    common.write_result("hf_sweep", {"transformers": transformers.__version__, "revision": revision(),
+    common.write_result("hf_sweep", {"transformers": transformers.__version__, "revision": rev,
                                      "counts": counts(records), "records": records}, started, args, path=args.out)
     if args.docs != "none":
-        write_docs(args.docs, records, args, wall)
+        write_docs(args.docs, records, args, wall, rev)
     print(" ".join(f"{k}: {v}" for k, v in counts(records).items()) + f"; {wall / 60:.1f} min", flush=True)
 
 

@@ -186,7 +186,7 @@ def test_main_prints_the_plan(capsys):
                  "overlap   c >= 1099 tokens", "margin c / threshold = 14.91x",
                  "max sequence length that fits on 8 GPUs: S = 106064", "load balance: recommended zigzag"):
         assert line in out, line
-    assert sorted(cli.COMMANDS) == ["dump", "explain", "plan"]
+    assert sorted(cli.COMMANDS) == ["doctor", "dump", "explain", "plan"]
 
 
 def test_main_warns_contiguous_causal_and_nothing_fits(capsys):

@@ -3,8 +3,11 @@ the ``dump`` text listing, Graphviz DOT and a self-contained HTML page."""
 
 from __future__ import annotations
 
-from typing import List
+import dataclasses
 
+from typing import Any, List
+
+import torch
 import torch.fx as fx
 
 from .explain import NodeRow, Report, RingSite, format_shape, short_source
@@ -43,6 +46,25 @@ def _layout(load_balance: str) -> str:
     return "documents (table per batch)" if load_balance == "documents" else load_balance
 
 
+def _symbolic(gm: fx.GraphModule) -> bool:
+    """Whether Dynamo traced ``gm`` with symbolic sizes (an input that is a SymInt)."""
+    return any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.find_nodes(op="placeholder"))
+
+
+def options_line(options: Any) -> str:
+    """``options: rotate=p2p kernel=auto ...``: every rewrite option as the rewrite was given it (the load
+    balance is on the line above), ``seq_inputs`` a dict as ``name=dim,...``."""
+    words = []
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if f.name == "load_balance":
+            continue
+        if isinstance(value, dict):
+            value = ",".join(f"{k}={v}" for k, v in value.items())
+        words.append(f"{f.name}={value}")
+    return "  options: " + " ".join(words)
+
+
 def _attention_lines(r: Report) -> List[str]:
     """Per attention: its source line, what its ring op masks, and the strategy it runs by (the record's
     words: the runtime's too)."""
@@ -56,6 +78,7 @@ def _attention_lines(r: Report) -> List[str]:
             lines.append(f"  {'':<{w}}  mask form: {forms[i]}")
         if i < len(strategies):
             lines.append(f"  {'':<{w}}  strategy: {strategies[i]}")
+        lines.append(f"  {'':<{w}}  ring op: kernel {site.call.kernel}, rotate {site.call.rotate}")
     return lines
 
 
@@ -80,14 +103,15 @@ def format_explain(r: Report, target: str = "") -> str:
     ctx = r.ctx
     head = f"cp-compile explain {target}".rstrip()
     lines = [head, f"  CP group of {r.world_size} ranks (synthetic, rank {ctx.group.rank} shown), "
-                   f"load balance {_layout(r.load_balance)}"]
+                   f"load balance {_layout(r.load_balance)}", options_line(ctx.options)]
     if not r.attention and not ctx.recurrences:
         lines.append("attention: none found. The ring_cp backend compiles this graph unchanged "
                      "(nothing is split by sequence).")
         lines += [f"  WARNING: attention that ring_cp cannot split, at {u}" for u in ctx.unsplit]
         return "\n".join(lines)
     lines.append(f"  sequence length S = {ctx.seq_len}; {ctx.local_len} positions per rank"
-                 + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else ""))
+                 + (f" (padded to {ctx.padded_len})" if ctx.padded_len != ctx.seq_len else "")
+                 + ("; symbolic in the graph (dynamic shapes)" if _symbolic(r.before) else ""))
     if r.attention:
         lines.append(f"attention: {len(r.attention)} node(s), each becomes ring attention")
         lines += _attention_lines(r)
