@@ -87,7 +87,23 @@ def loss_through_ring_cp(ref_model: torch.nn.Module, cp_model: torch.nn.Module, 
         assert not (rings := ring_mismatches(backend, count.calls)), rings
     else:
         assert count.calls == 0, f"{count.calls} attention calls in a model said to have none"
+    assert any(r.shard_inputs or r.shard_nodes for r in backend.records), \
+        f"the sequence is sharded nowhere (no input, no node): {[r.summary() for r in backend.records]}"
     return ref, out, backend
+
+
+def compare_recurrent_model(make: Any, x: torch.Tensor, attention: bool, load_balance: str) -> dict:
+    """On a rank: twin models from ``make`` (:func:`twin_models`), one step of ``x`` through ring_cp
+    against the eager one-process step (:func:`loss_through_ring_cp`): the loss's relative error, each
+    gradient's, the fallbacks, each record's recurrence lines and the number of gathers in the graphs."""
+    from cp_compile.graph_ops import gather_seq
+
+    ref_model, cp_model = twin_models(make)
+    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,), attention=attention,
+                                             load_balance=load_balance)
+    return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
+            "fallbacks": backend.fallbacks, "recurrences": [r.recurrences for r in backend.records],
+            "gathers": sum(n.target is gather_seq for gm in backend.graphs for n in gm.graph.nodes)}
 
 
 def pieces_mismatches(records: List[Any], explained: Any) -> List[str]:

@@ -34,6 +34,9 @@ import pytest  # noqa: E402
 # sys.path, which the spawned workers inherit, so this and the test modules import
 # as top-level modules there too.
 from distributed import RankPools  # noqa: E402 (after the sys.path and TRITON_INTERPRET set-up)
+from mutations import from_env  # noqa: E402  (benchmarks/mutation_check.py only: a rule switched off)
+
+from_env()
 
 
 # Test tiers: ``./dev test`` runs everything (CI); ``--fast`` (``-m "not slow and not inductor"``) is

@@ -93,7 +93,9 @@ def _worker(rank: int, world_size: int, init_method: str, tasks, results) -> Non
         import torch.distributed as dist
 
         import cp_compile
+        from mutations import from_env
 
+        from_env()  # (benchmarks/mutation_check.py only: a rule switched off in this worker too)
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import explain_record, grad_errors, loss_through_ring_cp, rel, twin_models
+from checks import compare_recurrent_model, explain_record
 
 E, H, K, V = 8, 2, 4, 3  # width, heads, key dim, value dim
 TOL = 1e-5
@@ -125,15 +125,8 @@ class ChunkStates(nn.Module):
 
 
 def _compare(style: str, chunk: int, seq: int, load_balance: str) -> dict:
-    from cp_compile.graph_ops import gather_seq
-
-    ref_model, cp_model = twin_models(lambda: ChunkStates(chunk, style).double())
     x = torch.randn(2, seq, E, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,), attention=False,
-                                             load_balance=load_balance)
-    return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
-            "fallbacks": backend.fallbacks, "recurrences": [r.recurrences for r in backend.records],
-            "gathers": sum(n.target is gather_seq for gm in backend.graphs for n in gm.graph.nodes)}
+    return compare_recurrent_model(lambda: ChunkStates(chunk, style).double(), x, False, load_balance)
 
 
 @pytest.mark.multirank

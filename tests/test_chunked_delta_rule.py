@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import explain_record, grad_errors, loss_through_ring_cp, rel, twin_models
+from checks import compare_recurrent_model, explain_record, grad_errors, loss_through_ring_cp, rel, twin_models
 
 E, H, K = 8, 2, 4  # width, heads, key dim (the value dim is the model's, to test V < K and V > K)
 TOL = 1e-5
@@ -132,15 +132,9 @@ class LinearMixer(nn.Module):
 
 
 def _compare(style: str, seq: int, load_balance: str, v_dim: int, attention: bool) -> dict:
-    from cp_compile.graph_ops import gather_seq
-
-    ref_model, cp_model = twin_models(lambda: LinearMixer(4, style, v_dim, attention).double())
     x = torch.randn(2, seq, E, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    ref, out, backend = loss_through_ring_cp(ref_model, cp_model, (x,), attention=attention,
-                                             load_balance=load_balance)
-    return {"loss": rel(out.detach(), ref.detach()), "grads": grad_errors(cp_model, ref_model),
-            "fallbacks": backend.fallbacks, "recurrences": [r.recurrences for r in backend.records],
-            "gathers": sum(n.target is gather_seq for gm in backend.graphs for n in gm.graph.nodes)}
+    return compare_recurrent_model(lambda: LinearMixer(4, style, v_dim, attention).double(), x, attention,
+                                   load_balance)
 
 
 @pytest.mark.multirank

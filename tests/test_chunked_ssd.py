@@ -154,7 +154,7 @@ def _compare(style: str, seq: int, load_balance: str, chunk: int, attention: boo
     ("paper", 2, 32, "zigzag", 4, False),  # runs of 8 tokens: two chunks each
     ("hf", 2, 16, "contiguous", 4, True),  # runs of 8, and the ring
     ("diff", 2, 16, "zigzag", 4, False),  # runs of 4: one chunk each
-    ("local", 2, 24, "contiguous", 4, False),  # no state across chunks
+    ("local", 2, 24, "contiguous", 4, True),  # no state across chunks (the ring beside it: else no mixer, no CP)
     pytest.param("paper", 4, 32, "contiguous", 2, False, marks=pytest.mark.slow),
     pytest.param("hf", 4, 32, "zigzag", 4, True, marks=pytest.mark.slow),
 ])
