@@ -24,9 +24,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+from ..warn_once import warn_once
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -55,13 +57,11 @@ class Case:
 
 
 _VERDICTS: Dict[Case, Optional[str]] = {}  # None: passed; else what failed
-_WARNED: Set[Case] = set()  # the failed cases warned in this process
 
 
 def forget_self_checks() -> None:
-    """Forget every verdict (and its WARNING): each case is checked again when next met."""
+    """Forget every verdict: each case is checked again when next met (its WARNING is warn_once's)."""
     _VERDICTS.clear()
-    _WARNED.clear()
 
 
 def checked_kernel(requested: str, kernel: Any, q: Tensor, causal: bool, window: int, documents: bool,
@@ -82,11 +82,9 @@ def checked_kernel(requested: str, kernel: Any, q: Tensor, causal: bool, window:
             f"kernel='auto' (falls back to a checked kernel for this case), or kernel='aten'; please report it "
             "with the output of `cp-compile doctor`.")
     fallback = fallback_kernel(q.device, q.dtype, window > 0)
-    if case not in _WARNED:
-        _WARNED.add(case)
-        log.warning("cp_compile: kernel %r failed its self-check for (%s): %s. This case runs on kernel %r in this "
-                    "process (exact, slower); please report it with the output of `cp-compile doctor`.",
-                    kernel.name, case.describe(), failure, fallback.name)
+    warn_once(log, "self_check", case, "cp_compile: kernel %r failed its self-check for (%s): %s. This case runs on "
+              "kernel %r in this process (exact, slower); please report it with the output of `cp-compile doctor`.",
+              kernel.name, case.describe(), failure, fallback.name)
     return fallback
 
 

@@ -65,7 +65,7 @@ def versions() -> List[Line]:
 
 def kernel_lines(device: torch.device) -> List[Line]:
     """One line per dtype: the kernel "auto" runs for each mask form (self-checked where it checks itself)."""
-    from ..kernels import get_kernel, resolve_kernel_name
+    from ..kernels import get_kernel
     from ..kernels.self_check import Case, fallback_kernel, verdict
 
     dtypes = (torch.float32, torch.bfloat16, torch.float16) + ((torch.float64,) if device.type == "cpu" else ())
@@ -79,7 +79,7 @@ def kernel_lines(device: torch.device) -> List[Line]:
             continue
         if device.type not in getattr(kernel, "self_check_devices", ()):
             forms = ", ".join(f[0] for f in FORMS)
-            lines.append(Line(True, f"{device.type} {name}: {forms} -> {resolve_kernel_name('auto', device)}"))
+            lines.append(Line(True, f"{device.type} {name}: {forms} -> {kernel.name}"))
             continue
         for form, causal, window, docs in FORMS:
             failed = [f"head dim {d}: {why}" for d in (64, 128)

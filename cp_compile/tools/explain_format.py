@@ -4,7 +4,6 @@ the ``dump`` text listing, Graphviz DOT and a self-contained HTML page."""
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any, List
 
 import torch

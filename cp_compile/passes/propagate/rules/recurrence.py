@@ -88,7 +88,8 @@ def _units(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) -> Dict[str, in
     alike (:func:`_unit`); a folded loop's step may read one position of the keys and one entry of a
     chunk total (xLSTM), so each argument holds the sequence by its own unit."""
     if not is_loop_kernel(spec.target):
-        return {name: _unit(em, spec, a) for name in spec.seq_args}
+        unit = _unit(em, spec, a)
+        return {name: unit for name in spec.seq_args}
     return {name: em.ctx.seq_len // global_shape(x)[_norm(spec.seq_args[name], _ndim(x))]
             for name in spec.seq_args if isinstance(x := a.get(name), fx.Node)}
 
@@ -133,8 +134,7 @@ def _misplaced_argument(em: Emitter, spec: RecurrenceSpec, a: Dict[str, Any]) ->
         if shape[d] != entries:
             return f"argument {name!r} has {shape[d]} along its sequence dim {dim}, not the sequence's {entries}"
         lay = em.layout(x)
-        if isinstance(lay, Sharded) and (lay.dim != d or lay.inner != 1 or lay.window is not None
-                                         or lay.chunk * entries != em.ctx.seq_len):
+        if isinstance(lay, Sharded) and (lay.dim != d or lay.inner != 1 or lay.window is not None):
             return (f"argument {name!r} is split along dim {lay.dim} (inner {lay.inner}), the kernel's sequence dim "
                     f"is {d} (fix: declare seq_args={{{name!r}: {lay.dim}}} if that is its sequence dim)")
     return None
